@@ -1,0 +1,111 @@
+"""The Connector protocol: the only seam between the HTTP API and an engine.
+
+The API layer talks to engines only through this protocol, so it never
+imports torch. ``connectors/local.py`` runs the engine in this process;
+tests use a fake; a Ray connector can put replicas behind the same calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from servelm.engine.outputs import EmbeddingOutput, RequestOutput
+from servelm.engine.sampling_params import SamplingParams
+
+
+class ConnectorError(Exception):
+    """An error the API maps to an OpenAI error envelope.
+
+    ``status`` is the HTTP status, ``type``/``code``/``param`` fill the
+    envelope's fields.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.code = code
+        self.param = param
+
+
+class ModelNotFound(ConnectorError):
+    def __init__(self, model: str):
+        super().__init__(
+            f"The model `{model}` does not exist.", status=404, code="model_not_found", param="model"
+        )
+
+
+class ContextLengthExceeded(ConnectorError):
+    def __init__(self, message: str, param: str | None = "messages"):
+        super().__init__(message, status=400, code="context_length_exceeded", param=param)
+
+
+@dataclass
+class ModelCard:
+    """What /v1/models shows about one served model."""
+
+    id: str
+    kind: str  # "generate" or "embed"
+    max_model_len: int
+    owned_by: str = "servelm"
+    created: int = 0
+    root: str | None = None  # the path or bundled name it was loaded from
+
+
+@runtime_checkable
+class Connector(Protocol):
+    """What the API needs from an engine (or a cluster of them).
+
+    Every method is async. Models are looked up by the name a client sends;
+    an unknown name raises :class:`ModelNotFound`.
+    """
+
+    async def models(self) -> list[ModelCard]: ...
+
+    async def health(self) -> bool:
+        """True once every model is loaded and the engine loop is alive."""
+        ...
+
+    def generate(
+        self,
+        model: str,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (delta mode), the last one with finished=True.
+
+        Raises ConnectorError (e.g. ContextLengthExceeded) before the first
+        output when the request cannot be admitted.
+        """
+        ...
+
+    async def abort(self, model: str, request_id: str) -> None: ...
+
+    async def embed(self, model: str, inputs: list[str] | list[list[int]]) -> list[EmbeddingOutput]: ...
+
+    async def tokenize(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str: ...
+
+    async def apply_chat_template(
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render chat messages to a prompt string with the model's template."""
+        ...

@@ -1,0 +1,37 @@
+"""Engine configuration: limits and memory of one engine instance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the serving engine.
+
+    ``kv_cache_memory`` sizes the paged KV cache: an int is bytes, a float in
+    (0, 1] is a fraction of the device's free memory (on CPU, of available
+    RAM) at start-up.
+    """
+
+    dtype: str = "auto"  # float32, bfloat16, float16 or auto (float32 on CPU, bfloat16 on CUDA)
+    device: str = "auto"  # cpu, cuda, cuda:N or auto
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own context length
+    kv_cache_memory: int | float = 1 << 30
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if isinstance(self.kv_cache_memory, float) and not 0.0 < self.kv_cache_memory <= 1.0:
+            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
+        if isinstance(self.kv_cache_memory, int) and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory in bytes must be > 0, got {self.kv_cache_memory}")

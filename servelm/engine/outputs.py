@@ -1,0 +1,77 @@
+"""What the engine hands back: plain dataclasses, no torch, safe to pickle.
+
+The same types serve the offline API (cumulative: the whole completion so
+far) and the async engine's stream (delta: only what is new since the last
+output). ``RequestOutput.delta`` says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """The log-probability of one token, with its decoded text."""
+
+    token_id: int
+    logprob: float
+    text: str
+
+
+@dataclass
+class PositionLogprobs:
+    """Logprobs at one position: the chosen token and the top alternatives.
+
+    ``top`` is sorted by logprob, highest first, and holds ``k`` entries
+    (the request's ``logprobs``/``prompt_logprobs`` number).
+    """
+
+    chosen: TokenLogprob
+    top: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of a request (a request with n=2 has two)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step.
+
+    ``outputs`` holds the choices that changed in this step when ``delta``
+    is true, every choice otherwise. ``num_generated_tokens`` counts all
+    generated tokens of all choices so far, whichever mode.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    delta: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # first entry None: nothing predicts token 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    error: str | None = None  # set when the request failed inside the engine
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's embedding."""
+
+    embedding: list[float]
+    num_tokens: int

@@ -1,0 +1,106 @@
+"""Per-request sampling parameters, with the fields of OpenAI's and vLLM's APIs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter. ``param`` names the offending field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completions.
+
+    Defaults follow vLLM: temperature 1.0, no truncation, no penalties.
+    ``temperature == 0`` means greedy decoding. Construction validates every
+    field and raises :class:`SamplingParamsError` naming the bad one.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k truncation
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
+    prompt_logprobs: int | None = None  # likewise for prompt tokens (echo)
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise SamplingParamsError("logit_bias", "logit_bias must map token ids to numbers") from None
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise SamplingParamsError(name, f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not isinstance(self.best_of, int) or self.best_of < self.n:
+            bad("best_of", f"must be an integer >= n ({self.n})")
+        if not self.temperature >= 0.0:
+            bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", "must be > 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            bad("logprobs", "must be an integer >= 0")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+        ):
+            bad("prompt_logprobs", "must be an integer >= 0")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            bad("logit_bias", "values must be in [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
