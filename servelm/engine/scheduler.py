@@ -1,0 +1,211 @@
+"""The scheduler: which sequences run in the next step, and how many tokens each computes.
+
+Continuous batching under two limits: at most ``max_num_seqs`` sequences
+hold KV blocks, and one step computes at most ``max_num_batched_tokens``
+tokens. Each step serves, in this order of budget priority:
+
+1. running decodes (one token each), so streams never stall behind prompts;
+2. running sequences still mid-prefill (their next prompt chunk);
+3. waiting sequences, first come first served, each admitted with a first
+   chunk of its prompt (chunked prefill shares steps with decodes).
+
+When a decode finds no free block, the most recently admitted running
+sequence is preempted by recompute: its blocks are freed and it goes back to
+the front of the queue, to be recomputed later (cheaply, if its blocks are
+still in the prefix cache). The oldest running sequence is thus never
+preempted for a younger one, which is what guarantees progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from servelm.engine.block_manager import BlockManager
+from servelm.engine.config import EngineConfig
+from servelm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's work in a step: ``num_new_tokens`` tokens from ``start``.
+
+    ``start`` and ``samples`` are snapshots taken when the step is scheduled,
+    so they stay right after :meth:`Scheduler.postprocess` advances the
+    sequence and the engine appends the sampled token.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int = field(init=False)  # seq.num_computed_tokens when scheduled
+    samples: bool = field(init=False)  # True when the chunk reaches the end of seq.token_ids
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens >= self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step: what to compute, and who lost their blocks."""
+
+    prefills: list[ScheduledSeq] = field(default_factory=list)  # prompt chunks and recomputes
+    decodes: list[ScheduledSeq] = field(default_factory=list)  # one token each
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """Prefills then decodes."""
+        return self.prefills + self.decodes
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed in this step."""
+        return sum(s.num_new_tokens for s in self.prefills) + len(self.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to compute."""
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; plans one step at a time.
+
+    Sequences may be added or aborted between any two steps. The engine must
+    reject up front any request that fails :meth:`can_ever_fit`: the
+    scheduler assumes every sequence fits in the whole cache by itself.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order; preemption takes from the end
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for admission (new or preempted)."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding KV blocks."""
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` (prompt plus max_tokens) fits in the whole cache."""
+        return self.block_manager.num_blocks_for(num_tokens) <= self.block_manager.num_blocks
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence, in ``arrival_time`` order (ties: order of adding)."""
+        seq.status = SequenceStatus.WAITING
+        # Usually the newest arrival: appending is the common case.
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].arrival_time > seq.arrival_time:
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Remove every sequence of ``request_id``, free its blocks, mark it FINISHED."""
+        aborted = [s for s in self.waiting if s.request_id == request_id]
+        aborted += [s for s in self.running if s.request_id == request_id]
+        if not aborted:
+            return []
+        self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+        self.running = [s for s in self.running if s.request_id != request_id]
+        for seq in aborted:
+            self.block_manager.free(seq)  # a waiting sequence holds none: a no-op
+            seq.status = SequenceStatus.FINISHED
+        return aborted
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a sequence that stopped: free its blocks, drop it from the running set."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    # ---- one step --------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (see the module docstring for the policy)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. Decodes, oldest first. Victims come from the young end, so a
+        # sequence already scheduled here is never preempted afterwards.
+        for seq in [s for s in self.running if not s.is_prefill]:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if seq.num_computed_tokens >= seq.num_tokens:
+                continue  # its sampled token was never appended: nothing to compute
+            while not bm.can_append(seq):
+                self._preempt(self.running[-1], out)
+                if seq.status is not SequenceStatus.RUNNING:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: everything younger is gone already
+            bm.append_slot(seq)
+            out.decodes.append(ScheduledSeq(seq, 1))
+            budget -= 1
+
+        # 2. Running sequences mid-prefill: their blocks were all allocated
+        # at admission, so a chunk needs only budget.
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.is_prefill:
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                out.prefills.append(ScheduledSeq(seq, n))
+                budget -= n
+
+        # 3. Admit waiting sequences, strictly FCFS. Not in a step that had to
+        # preempt: memory is short, and admitting would only churn.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            out.prefills.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def postprocess(self, out: SchedulerOutput) -> None:
+        """After the model step: advance each scheduled sequence and register its full blocks.
+
+        The engine then appends sampled tokens to the sequences whose chunk
+        ``samples``, checks stop conditions and calls :meth:`finish`.
+        """
+        for sched in out.prefills + out.decodes:
+            seq = sched.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += sched.num_new_tokens
+            self.block_manager.mark_computed(seq)
