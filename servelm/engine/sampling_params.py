@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -46,8 +48,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            try:
+                setattr(self, name, list(getattr(self, name) or []))
+            except TypeError:
+                raise SamplingParamsError(name, f"{name} must be a list") from None
         if self.best_of is None:
             self.best_of = self.n
         if self.logit_bias is not None:
@@ -61,6 +66,13 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise SamplingParamsError(name, f"{name} {why}, got {getattr(self, name)!r}")
 
+        # A string would make the range checks below raise TypeError, and an
+        # infinite temperature or penalty turns banned logits into NaN.
+        real_fields = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        for name in real_fields:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                bad(name, "must be a finite number")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
         if not isinstance(self.best_of, int) or self.best_of < self.n:

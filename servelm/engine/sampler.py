@@ -1,0 +1,302 @@
+"""Turn one row of logits per sequence into one sampled token per sequence.
+
+The order of processing follows vLLM: raw logprobs are taken first (they are
+what the client sees), then logit_bias, the min_tokens ban on EOS and stop
+tokens, the allowed-token mask (the hook for structured output),
+repetition penalty, frequency/presence penalties; greedy rows then take the
+argmax and the others go through temperature, top-k, top-p and min-p before
+a random draw. Every stage works on the whole batch (or on the rows that
+need it) at once, and is skipped when no row needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from servelm.engine.sampling_params import SamplingParams
+
+# How many of the most likely tokens top-p looks at before sorting a whole row.
+_TOP_P_CANDIDATES = 1024
+# Dividing by a temperature this small overflows float32, and the
+# distribution is indistinguishable from greedy anyway (vLLM does the same).
+_GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs to know about one sequence (one row of the batch).
+
+    The engine keeps one per sequence for its whole life; ``output_token_ids``
+    grows as tokens are generated. ``generator`` is set for seeded requests
+    so that their draws do not depend on the rest of the batch.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    eos_token_ids: set[int]  # banned, with params.stop_token_ids, while len(output) < min_tokens
+    allowed_token_mask: torch.Tensor | None = None  # bool[vocab]; False bans the token
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, with its logprob under the raw model distribution.
+
+    ``top_logprobs`` is None when no row asked for logprobs; otherwise it has
+    one entry per row: None for rows that did not ask, else the
+    ``params.logprobs`` highest raw logprobs as (token id, logprob), highest
+    first (an empty list for ``logprobs=0``).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]] | None] | None
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator on ``device`` seeded with ``seed``, or None when there is no seed."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    # manual_seed takes 64 bits; a client may send any integer.
+    generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return generator
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """True when the sampler takes the argmax for these params."""
+    return params.greedy or params.temperature < _GREEDY_TEMPERATURE
+
+
+class Sampler:
+    """Samples one token per row of a ``[num_rows, vocab]`` logits tensor.
+
+    Stateless: everything per sequence lives in its :class:`SamplingState`.
+    Works on whatever device the logits are on.
+    """
+
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        """Sample row ``i`` of ``logits`` (any float dtype) under ``states[i]``."""
+        if logits.shape[0] != len(states):
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(states)} sampling states")
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        processed = apply_logits_processors(logits, states)
+        token_ids = _choose(processed, states)
+        chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=chosen.tolist(),
+            top_logprobs=_top_logprobs(raw_logprobs, states),
+        )
+
+
+def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Apply the stages shared by greedy and random rows; returns a new tensor when any applies."""
+    vocab = logits.shape[1]
+    bias_rows, bias_cols, bias_vals = [], [], []
+    ban_rows, ban_cols = [], []
+    mask_rows, masks = [], []
+    penalty_rows = []
+    for i, s in enumerate(states):
+        p = s.params
+        for tok, val in (p.logit_bias or {}).items():
+            if 0 <= tok < vocab:  # ids beyond this model's vocabulary cannot be sampled anyway
+                bias_rows.append(i)
+                bias_cols.append(tok)
+                bias_vals.append(val)
+        if len(s.output_token_ids) < p.min_tokens:
+            banned = [t for t in s.eos_token_ids | set(p.stop_token_ids) if 0 <= t < vocab]
+            ban_rows += [i] * len(banned)
+            ban_cols += banned
+        if s.allowed_token_mask is not None:
+            mask_rows.append(i)
+            masks.append(s.allowed_token_mask)
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            penalty_rows.append(i)
+    if not (bias_rows or ban_rows or mask_rows or penalty_rows):
+        return logits
+
+    dev = logits.device
+    x = logits.clone()
+    if bias_rows:
+        index = (torch.tensor(bias_rows, device=dev), torch.tensor(bias_cols, device=dev))
+        x.index_put_(index, torch.tensor(bias_vals, device=dev), accumulate=True)
+    if ban_rows:
+        x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_cols, device=dev)] = float("-inf")
+    if mask_rows:
+        rows = torch.tensor(mask_rows, device=dev)
+        allowed = torch.stack([m.to(dev) for m in masks])
+        x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
+    if penalty_rows:
+        rows = torch.tensor(penalty_rows, device=dev)
+        sub = [states[i] for i in penalty_rows]
+        x[rows] = apply_penalties(
+            x[rows],
+            [s.prompt_token_ids for s in sub],
+            [s.output_token_ids for s in sub],
+            [s.params.repetition_penalty for s in sub],
+            [s.params.frequency_penalty for s in sub],
+            [s.params.presence_penalty for s in sub],
+        )
+    return x
+
+
+def token_counts(token_ids: list[list[int]], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """``[len(token_ids), vocab]`` float tensor: how often each token occurs in each row's list."""
+    width = max((len(t) for t in token_ids), default=0)
+    counts = torch.zeros(len(token_ids), vocab + 1, device=device)
+    if width:
+        # Padding points at an extra column, dropped below, so rows of any length scatter at once.
+        padded = torch.tensor([t + [vocab] * (width - len(t)) for t in token_ids], device=device)
+        counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    repetition_penalty: list[float],
+    frequency_penalty: list[float],
+    presence_penalty: list[float],
+) -> torch.Tensor:
+    """Penalise tokens already seen; returns a new ``[rows, vocab]`` tensor.
+
+    Repetition penalty (CTRL, as in vLLM/HF) covers prompt and output tokens:
+    a positive logit is divided by it, a negative one multiplied. Frequency
+    and presence penalties (OpenAI) cover output tokens only:
+    ``logit -= frequency * count + presence * (count > 0)``.
+    """
+    vocab, dev = logits.shape[1], logits.device
+    out_counts = token_counts(output_token_ids, vocab, dev)
+    if any(r != 1.0 for r in repetition_penalty):
+        seen = (token_counts(prompt_token_ids, vocab, dev) + out_counts) > 0
+        rep = torch.tensor(repetition_penalty, device=dev)[:, None]
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    if any(f != 0.0 for f in frequency_penalty) or any(p != 0.0 for p in presence_penalty):
+        freq = torch.tensor(frequency_penalty, device=dev)[:, None]
+        pres = torch.tensor(presence_penalty, device=dev)[:, None]
+        logits = logits - freq * out_counts - pres * (out_counts > 0)
+    return logits
+
+
+def _choose(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    greedy = [is_greedy(s.params) for s in states]
+    if all(greedy):
+        return x.argmax(dim=-1)
+    if not any(greedy):
+        return _sample(x, states)
+    dev = x.device
+    tokens = torch.empty(len(states), dtype=torch.long, device=dev)
+    g_rows = torch.tensor([i for i, g in enumerate(greedy) if g], device=dev)
+    s_idx = [i for i, g in enumerate(greedy) if not g]
+    s_rows = torch.tensor(s_idx, device=dev)
+    tokens[g_rows] = x[g_rows].argmax(dim=-1)
+    tokens[s_rows] = _sample(x[s_rows], [states[i] for i in s_idx])
+    return tokens
+
+
+def _sample(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one random draw per row."""
+    dev, vocab = x.device, x.shape[1]
+    params = [s.params for s in states]
+    x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    stages = (
+        (apply_top_k, [i for i, p in enumerate(params) if 0 < p.top_k < vocab], "top_k"),
+        (apply_top_p, [i for i, p in enumerate(params) if p.top_p < 1.0], "top_p"),
+        (apply_min_p, [i for i, p in enumerate(params) if p.min_p > 0.0], "min_p"),
+    )
+    for stage, rows, name in stages:
+        if rows:
+            # Only the rows that asked: a row's result must not depend on its batch mates.
+            values = [getattr(params[i], name) for i in rows]
+            if len(rows) == len(params):
+                x = stage(x, values)
+            else:
+                index = torch.tensor(rows, device=dev)
+                x[index] = stage(x[index], values)
+    return random_choice(x.softmax(dim=-1), [s.generator for s in states])
+
+
+def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keep each row's ``k`` highest logits (ties with the k-th are kept); k <= 0 keeps all."""
+    vocab = logits.shape[1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    top = logits.topk(max(ks), dim=-1).values
+    threshold = top.gather(1, torch.tensor(ks, device=logits.device)[:, None] - 1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose probability reaches ``p``.
+
+    Tokens exactly as likely as the least likely one kept are kept too.
+    """
+    probs = logits.softmax(dim=-1)
+    p = torch.tensor(top_p, device=logits.device)[:, None]
+    vocab = probs.shape[1]
+    # A full sort of the vocabulary is slow; the nucleus of a real model's
+    # distribution is nearly always among its top few hundred tokens.
+    candidates = probs.topk(min(_TOP_P_CANDIDATES, vocab), dim=-1).values
+    cutoff, num_kept = _nucleus_cutoff(candidates, p)
+    # A nucleus that fills every candidate may go on beyond them.
+    unsure = (num_kept[:, 0] == candidates.shape[1]) & (candidates.shape[1] < vocab)
+    if unsure.any():
+        rows = unsure.nonzero()[:, 0]
+        cutoff[rows] = _nucleus_cutoff(probs[rows].sort(dim=-1, descending=True).values, p[rows])[0]
+    return logits.masked_fill(probs < cutoff, float("-inf"))
+
+
+def _nucleus_cutoff(sorted_probs: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's smallest kept probability, and how many of the columns are kept."""
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # mass_before only grows, so the kept tokens are a prefix; the first (mass 0 < p) always stays.
+    num_kept = (mass_before < p).sum(dim=-1, keepdim=True)
+    return sorted_probs.gather(1, num_kept - 1), num_kept
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=logits.device)[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def random_choice(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one index per row from ``probs`` (rows sum to 1).
+
+    Exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` picks ``i`` with
+    probability ``p[i]``. A row with a generator draws its ``q`` from that
+    generator alone, so its token does not depend on the rest of the batch.
+    """
+    u = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        u.uniform_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i].uniform_(generator=g)
+    # -log(1 - u) is Exp(1), and on CPU far faster than exponential_(). A zero
+    # draw would turn a banned token's 0 / 0 into NaN, which argmax picks.
+    q = torch.log1p(-u).neg_().clamp_(min=torch.finfo(u.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+def _top_logprobs(raw_logprobs: torch.Tensor, states: list[SamplingState]) -> list | None:
+    wanted = [s.params.logprobs for s in states]
+    asking = [i for i, k in enumerate(wanted) if k is not None]
+    if not asking:
+        return None
+    result: list[list[tuple[int, float]] | None] = [None] * len(states)
+    vocab = raw_logprobs.shape[1]
+    max_k = min(max(wanted[i] for i in asking), vocab)
+    rows = torch.tensor(asking, device=raw_logprobs.device)
+    values, ids = raw_logprobs[rows].topk(max_k, dim=-1)
+    for i, row_ids, row_vals in zip(asking, ids.tolist(), values.tolist()):
+        k = min(wanted[i], vocab)
+        result[i] = list(zip(row_ids[:k], row_vals[:k]))
+    return result

@@ -1,0 +1,316 @@
+"""The sampler on small hand-made logits: processing order, truncation, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from servelm.engine.sampler import (
+    Sampler,
+    SamplingState,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    make_generator,
+    token_counts,
+)
+from servelm.engine.sampling_params import SamplingParams
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def state(params: SamplingParams | None = None, *, prompt=(), output=(), eos=(), seed=None, device="cpu", mask=None):
+    params = params or SamplingParams()
+    return SamplingState(
+        params=params,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        generator=make_generator(seed, device),
+        eos_token_ids=set(eos),
+        allowed_token_mask=mask,
+    )
+
+
+def draws(logits_row: torch.Tensor, params: SamplingParams, n: int, device="cpu") -> list[int]:
+    """``n`` unseeded samples of one row, taken as one batch of ``n`` identical rows."""
+    logits = logits_row.to(device).expand(n, -1).contiguous()
+    return Sampler()(logits, [state(params) for _ in range(n)]).token_ids
+
+
+# Probabilities 0.5, 0.3, 0.15, 0.05 at shuffled positions, so order is not index order.
+PROBS = torch.tensor([0.15, 0.5, 0.05, 0.3])
+LOGITS = PROBS.log()
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_rng():
+    torch.manual_seed(1234)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_is_argmax(device):
+    logits = torch.randn(8, 50, device=device)
+    out = Sampler()(logits, [state(SamplingParams(temperature=0.0)) for _ in range(8)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_k_1_is_deterministic_argmax():
+    logits = torch.randn(6, 30)
+    params = SamplingParams(temperature=1.5, top_k=1)
+    for _ in range(3):
+        assert Sampler()(logits, [state(params) for _ in range(6)]).token_ids == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_stay_argmax_among_random_rows():
+    logits = torch.randn(6, 30)
+    greedy, rand = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+    states = [state(greedy if i % 2 == 0 else rand) for i in range(6)]
+    out = Sampler()(logits, states)
+    assert out.token_ids[::2] == logits.argmax(-1).tolist()[::2]
+
+
+@pytest.mark.parametrize(
+    "params, allowed",
+    [
+        (SamplingParams(top_k=2), {1, 3}),
+        (SamplingParams(top_k=3), {0, 1, 3}),
+        (SamplingParams(top_p=0.75), {1, 3}),
+        (SamplingParams(top_p=0.85), {0, 1, 3}),
+        (SamplingParams(top_p=0.4), {1}),
+        (SamplingParams(min_p=0.2), {0, 1, 3}),  # threshold 0.1
+        (SamplingParams(min_p=0.5), {1, 3}),  # threshold 0.25
+        (SamplingParams(top_k=3, top_p=0.75, min_p=0.0), {1, 3}),
+        (SamplingParams(top_k=3, min_p=0.6, temperature=2.0), {1, 3}),
+    ],
+)
+def test_truncation_never_samples_outside_allowed_set(params, allowed):
+    got = set(draws(LOGITS, params, 3000))
+    assert got == allowed  # never outside, and with 3000 draws every allowed token shows up
+
+
+def test_truncation_is_per_row_in_a_mixed_batch():
+    rows = [
+        (SamplingParams(top_k=2), {1, 3}),
+        (SamplingParams(top_p=0.85), {0, 1, 3}),
+        (SamplingParams(min_p=0.5), {1, 3}),
+        (SamplingParams(), {0, 1, 2, 3}),
+        (SamplingParams(temperature=0.0), {1}),
+    ]
+    reps = 600
+    states = [state(p) for p, _ in rows for _ in range(reps)]
+    out = Sampler()(LOGITS.expand(len(states), -1).contiguous(), states).token_ids
+    for j, (_, allowed) in enumerate(rows):
+        assert set(out[j * reps : (j + 1) * reps]) == allowed
+
+
+def _reference_kept(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """Top-k, then top-p over what is left (renormalised), then min-p, one token at a time."""
+    probs = torch.softmax(row.double(), dim=-1)
+    order = probs.argsort(descending=True).tolist()
+    if top_k > 0:
+        order = order[:top_k]
+    total = probs[order].sum().item()
+    kept, mass = [], 0.0
+    for tok in order:
+        if mass >= top_p:
+            break
+        kept.append(tok)
+        mass += probs[tok].item() / total
+    return {t for t in kept if probs[t] >= min_p * probs[order[0]]}
+
+
+def test_truncation_functions_match_a_plain_reference():
+    gen = torch.Generator().manual_seed(3)
+    # Rows from peaky to flat over a vocabulary wider than top-p's candidate list.
+    logits = torch.randn(6, 3000, generator=gen) * torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.1])[:, None]
+    cases = [(0, 0.9, 0.0), (0, 0.5, 0.0), (0, 0.99, 0.0), (40, 1.0, 0.0), (0, 1.0, 0.05), (300, 0.8, 0.01)]
+    for top_k, top_p, min_p in cases:
+        x = logits
+        if top_k:
+            x = apply_top_k(x, [top_k] * 6)
+        if top_p < 1.0:
+            x = apply_top_p(x, [top_p] * 6)
+        if min_p:
+            x = apply_min_p(x, [min_p] * 6)
+        for r in range(6):
+            got = set(torch.isfinite(x[r]).nonzero()[:, 0].tolist())
+            assert got == _reference_kept(logits[r], top_k, top_p, min_p), (r, top_k, top_p, min_p)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_frequencies_follow_softmax_over_temperature(temperature):
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0])
+    n = 20000
+    counts = torch.bincount(torch.tensor(draws(logits, SamplingParams(temperature=temperature), n)), minlength=5)
+    expected = torch.softmax(logits / temperature, dim=-1)
+    # Chi-square with 4 degrees of freedom: 25 is far beyond the 0.9999 quantile (23.5).
+    chi2 = (((counts - n * expected) ** 2) / (n * expected)).sum().item()
+    assert chi2 < 25, (counts, expected * n)
+
+
+def test_frequencies_after_top_p_are_renormalised():
+    n = 20000
+    counts = torch.bincount(torch.tensor(draws(LOGITS, SamplingParams(top_p=0.75), n)), minlength=4)
+    assert counts[1] / n == pytest.approx(0.5 / 0.8, abs=0.02)
+    assert counts[3] / n == pytest.approx(0.3 / 0.8, abs=0.02)
+
+
+def test_logit_bias_bans_and_forces():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]] * 2)
+    greedy_ban = SamplingParams(temperature=0.0, logit_bias={1: -100})
+    random_force = SamplingParams(temperature=1.0, logit_bias={2: 100, 99_999: 5})  # unknown ids ignored
+    for _ in range(20):
+        out = Sampler()(logits, [state(greedy_ban), state(random_force)])
+        assert out.token_ids == [3, 2]
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2])
+    assert Sampler()(logits, [state(params, output=[], eos={1})]).token_ids == [3]
+    assert Sampler()(logits, [state(params, output=[3], eos={1})]).token_ids == [3]
+    assert Sampler()(logits, [state(params, output=[3, 3], eos={1})]).token_ids == [1]
+
+
+def test_allowed_token_mask_is_respected():
+    mask = torch.tensor([True, False, True, False])
+    out = Sampler()(LOGITS.expand(500, -1).contiguous(), [state(mask=mask) for _ in range(500)])
+    assert set(out.token_ids) == {0, 2}
+
+
+def test_token_counts():
+    counts = token_counts([[1, 1, 3], [], [0]], vocab=4, device="cpu")
+    assert counts.tolist() == [[0, 2, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]]
+
+
+def test_penalties_follow_the_formulas_exactly():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 4.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    prompt = [[3], [0]]
+    output = [[0, 0, 2], [1, 1, 1, 4]]
+    rep, freq, pres = [2.0, 1.0], [0.5, -0.25], [1.0, 0.75]
+    got = apply_penalties(logits, prompt, output, rep, freq, pres)
+
+    expected = logits.tolist()
+    for r in range(2):
+        seen = set(prompt[r]) | set(output[r])
+        for t in range(5):
+            x = expected[r][t]
+            if t in seen:
+                x = x / rep[r] if x > 0 else x * rep[r]
+            count = output[r].count(t)
+            expected[r][t] = x - freq[r] * count - pres[r] * (count > 0)
+    # Row 0: token 0 seen twice in output: 2/2 - 0.5*2 - 1 = -1; token 3 in prompt only: -3*2 = -6.
+    assert expected[0] == [-1.0, -1.0, 0.25 - 0.5 - 1.0, -6.0, 4.0]
+    assert torch.allclose(got, torch.tensor(expected))
+
+
+def test_penalties_change_the_greedy_choice():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    plain = SamplingParams(temperature=0.0)
+    assert Sampler()(logits, [state(plain, output=[0, 0])]).token_ids == [0]
+    for params in (
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, frequency_penalty=0.1),
+        SamplingParams(temperature=0.0, presence_penalty=0.2),
+    ):
+        assert Sampler()(logits, [state(params, output=[0, 0])]).token_ids == [1]
+    rep_prompt = SamplingParams(temperature=0.0, repetition_penalty=1.2)
+    assert Sampler()(logits, [state(rep_prompt, prompt=[0])]).token_ids == [1]
+    # frequency/presence ignore the prompt (OpenAI semantics)
+    freq_prompt = SamplingParams(temperature=0.0, frequency_penalty=2.0, presence_penalty=2.0)
+    assert Sampler()(logits, [state(freq_prompt, prompt=[0])]).token_ids == [0]
+
+
+def _seeded_run(seed: int, steps: int, neighbours: int, position: int, device="cpu") -> list[int]:
+    """Tokens drawn by one seeded row, with ``neighbours`` other random rows in its batch."""
+    vocab = 2000  # wide and flat enough that top-p must sort whole rows, unlike its peaky neighbours
+    logits_gen = torch.Generator().manual_seed(99)  # the same logits whatever the batch
+    target = state(SamplingParams(temperature=0.9, top_p=0.95), seed=seed, device=device)
+    others = [
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=0.7, min_p=0.1, presence_penalty=0.5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(),
+    ]
+    tokens = []
+    for _ in range(steps):
+        target_logits = torch.randn(1, vocab, generator=logits_gen)
+        batch = [state(others[i % len(others)], output=[1, 2], seed=(7 if i == 1 else None)) for i in range(neighbours)]
+        batch.insert(position, target)
+        logits = torch.randn(len(batch), vocab) * 6
+        logits[position] = target_logits[0]
+        tok = Sampler()(logits.to(device), batch).token_ids[position]
+        target.output_token_ids.append(tok)
+        tokens.append(tok)
+    return tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_is_independent_of_its_batch(device):
+    alone = _seeded_run(seed=42, steps=30, neighbours=0, position=0, device=device)
+    assert _seeded_run(seed=42, steps=30, neighbours=5, position=3, device=device) == alone
+    assert _seeded_run(seed=42, steps=30, neighbours=9, position=9, device=device) == alone
+    assert _seeded_run(seed=43, steps=30, neighbours=0, position=0, device=device) != alone
+
+
+def test_same_seed_same_tokens_across_calls():
+    logits = torch.randn(1, 1000)
+    params = SamplingParams(temperature=1.0)
+    a, b = state(params, seed=5), state(params, seed=5)
+    seq_a = [Sampler()(logits, [a]).token_ids[0] for _ in range(20)]
+    seq_b = [Sampler()(logits, [b]).token_ids[0] for _ in range(20)]
+    assert seq_a == seq_b
+    assert len(set(seq_a)) > 1  # the generator advances between calls
+
+
+def test_make_generator():
+    assert make_generator(None, "cpu") is None
+    for seed in (0, -1, 2**70):  # any integer a client sends is accepted
+        assert isinstance(make_generator(seed, "cpu"), torch.Generator)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_raw_log_softmax(device):
+    logits = torch.randn(3, 40, device=device)
+    states = [
+        state(SamplingParams(temperature=0.3, logit_bias={5: 50.0}, logprobs=4)),
+        state(SamplingParams(temperature=0.0, repetition_penalty=1.5), output=[2, 3]),
+        state(SamplingParams(logprobs=0)),
+    ]
+    out = Sampler()(logits, states)
+    raw = torch.log_softmax(logits.float(), dim=-1).cpu()
+    for i, tok in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(raw[i, tok].item(), abs=1e-5)
+    assert out.token_ids[0] == 5  # the bias steered the choice but not the reported logprob
+
+    top = out.top_logprobs
+    assert top is not None and top[1] is None and top[2] == []
+    assert len(top[0]) == 4
+    values = [v for _, v in top[0]]
+    assert values == sorted(values, reverse=True)
+    ref_vals, ref_ids = raw[0].topk(4)
+    assert [t for t, _ in top[0]] == ref_ids.tolist()
+    assert values == pytest.approx(ref_vals.tolist(), abs=1e-5)
+
+
+def test_top_logprobs_none_when_nobody_asks_and_k_clamped_to_vocab():
+    logits = torch.randn(2, 6)
+    assert Sampler()(logits, [state(), state()]).top_logprobs is None
+    out = Sampler()(logits, [state(SamplingParams(logprobs=20)), state()])
+    assert len(out.top_logprobs[0]) == 6 and out.top_logprobs[1] is None
+
+
+def test_half_precision_logits_and_extreme_values():
+    logits = torch.tensor([[1.0, 2.0, float("-inf"), 0.5]], dtype=torch.bfloat16)
+    out = Sampler()(logits.expand(200, -1), [state(SamplingParams(temperature=1e-3)) for _ in range(200)])
+    assert set(out.token_ids) == {1}
+    out = Sampler()(logits.expand(500, -1), [state(SamplingParams(temperature=2.0)) for _ in range(500)])
+    assert 2 not in out.token_ids and all(math.isfinite(v) for v in out.logprobs)
+
+
+def test_rejects_mismatched_batch():
+    with pytest.raises(ValueError):
+        Sampler()(torch.randn(2, 5), [state()])
