@@ -1,0 +1,242 @@
+"""OpenAI's error envelope and the exception handlers that produce it.
+
+Every error the API returns has the shape
+``{"error": {"message", "type", "param", "code"}}``. Handlers here turn the
+exceptions raised anywhere below the app (validation, connector, sampling
+parameters, unknown routes) into that envelope with the right status.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from servelm.connectors.base import ConnectorError, ContextLengthExceeded
+from servelm.engine.sampling_params import SamplingParamsError
+
+logger = logging.getLogger("servelm.api")
+
+# pydantic puts union members and wrapper validators in an error's location
+# ("str", "list[int]", "function-after[...]"); they mean nothing to a client.
+_LOC_NOISE = re.compile(r"[\[\]\-]|^(str|int|float|bool|list|dict|none|json-or-python|tagged-union)$")
+
+
+class APIError(Exception):
+    """An error with an HTTP status that the API reports in OpenAI's envelope."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type or default_error_type(status)
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready; nothing is sent."""
+
+
+def default_error_type(status: int) -> str:
+    """OpenAI's error ``type`` for a status code."""
+    if status == 401:
+        return "invalid_request_error"
+    if status == 503:
+        return "service_unavailable_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The envelope as a dict."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """A JSON response carrying the envelope."""
+    return JSONResponse(
+        error_body(message, type or default_error_type(status), param, code), status_code=status, headers=headers
+    )
+
+
+def api_error_from(exc: BaseException) -> APIError:
+    """Map any exception to the APIError a client should see.
+
+    Unknown exceptions become a 500 whose message hides the details: they are
+    logged with their traceback by the caller, never sent.
+    """
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ConnectorError):
+        return APIError(exc.message, status=exc.status, type=exc.type, param=exc.param, code=exc.code)
+    if isinstance(exc, SamplingParamsError):
+        return APIError(str(exc), status=400, param=exc.param)
+    return APIError("The server had an error while processing your request.", status=500)
+
+
+def context_length_exceeded(
+    max_model_len: int, prompt_tokens: int, max_tokens: int | None, where: str = "messages"
+) -> ContextLengthExceeded | None:
+    """The error for a prompt plus completion that does not fit the context, or None if it fits.
+
+    ``where`` names what holds the prompt ("messages", "prompt", "input") and
+    is also the error's ``param``. ``max_tokens`` None means "up to the
+    context", which needs room for at least one generated token; 0 means
+    nothing is generated (embeddings).
+    """
+    if max_tokens is None:
+        if prompt_tokens < max_model_len:
+            return None
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your {where} "
+            f"resulted in {prompt_tokens} tokens, which leaves no room for the completion. "
+            f"Please reduce the length of the {where}."
+        )
+    elif max_tokens == 0:  # nothing generated: embeddings
+        if prompt_tokens <= max_model_len:
+            return None
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens} tokens in the {where}. Please reduce the length of the {where}."
+        )
+    else:
+        if prompt_tokens + max_tokens <= max_model_len:
+            return None
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} in the "
+            f"completion). Please reduce the length of the {where} or completion."
+        )
+    return ContextLengthExceeded(message, param=where)
+
+
+def format_loc(loc: tuple[Any, ...]) -> str | None:
+    """Turn a pydantic error location into a JSON-ish path: ``messages[0].content``."""
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            if parts:
+                parts[-1] += f"[{item}]"
+            continue
+        if not isinstance(item, str) or _LOC_NOISE.search(item):
+            continue
+        parts.append(item)
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first validation error as a 400 naming the field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError("Invalid request.", status=400)
+    err = errors[0]
+    kind = err.get("type", "")
+    param = format_loc(tuple(err.get("loc", ())))
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return APIError(f"The request body is not valid JSON: {detail}".rstrip(": "), status=400, code="invalid_json")
+    if param is None and kind in ("model_attributes_type", "dict_type", "model_type", "missing"):
+        return APIError(
+            "The request body must be a JSON object (send it with Content-Type: application/json).", status=400
+        )
+    if kind == "extra_forbidden":
+        return APIError(f"Unrecognized request argument supplied: {param}", status=400, param=param)
+    if kind == "missing":
+        return APIError(f"Missing required parameter: '{param}'.", status=400, param=param)
+    return APIError(f"Invalid value for '{param}': {err.get('msg', 'invalid')}.", status=400, param=param)
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    """Register the handlers that render every known exception as an envelope."""
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        err = api_error_from(exc)
+        return error_response(err.status, err.message, type=err.type, param=err.param, code=err.code, headers=err.headers)
+
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        err = validation_error(exc)
+        return error_response(err.status, err.message, type=err.type, param=err.param, code=err.code)
+
+    async def on_http_exception(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        status = exc.status_code
+        if status == 404:
+            message, code = f"Invalid URL ({request.method} {request.url.path})", "unknown_url"
+        elif status == 405:
+            message, code = f"Method {request.method} is not allowed for {request.url.path}", "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        return error_response(status, message, code=code, headers=getattr(exc, "headers", None))
+
+    async def on_disconnect(request: Request, exc: Exception) -> Response:
+        # 499 (nginx's "client closed request") only shows in metrics and logs.
+        return Response(status_code=499)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(ConnectorError, on_api_error)
+    app.add_exception_handler(SamplingParamsError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
+    app.add_exception_handler(ClientDisconnected, on_disconnect)
+
+
+class CatchAllMiddleware:
+    """Last line of defence: an unexpected exception becomes a 500 envelope, never a traceback.
+
+    It sits inside the metrics middleware so a 500 is counted, and logs the
+    traceback server-side.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                return  # too late for a status; the stream just ends
+            err = api_error_from(RuntimeError())
+            response = error_response(err.status, err.message, type=err.type)
+            await response(scope, receive, send)

@@ -1,0 +1,417 @@
+"""OpenAI-compatible request and response schemas (pydantic v2).
+
+Requests forbid unknown fields, so a typo or an unsupported parameter is a
+400 naming it rather than something silently ignored. Documented OpenAI
+fields servelm cannot honour are declared (so the OpenAPI schema shows
+them) and listed in each request's ``UNSUPPORTED`` table: a value other than
+the harmless one is rejected by name. Responses mirror OpenAI's shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+# Bounded so a huge id is a 400 here rather than an overflow in the engine;
+# the engine still checks ids against its vocabulary.
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+TokenIds = list[TokenId]
+
+
+def _absent(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+class OpenAIRequest(BaseModel):
+    """Base of every request body: unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # field name -> predicate that is true for the values servelm can honour
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+
+    def unsupported_param(self) -> str | None:
+        """The first field set to a value servelm cannot honour, or None."""
+        for name, acceptable in self.UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value is not None and not acceptable(value):
+                return name
+        return None
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: usage reporting on streams."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = Field(False, description="Send a last chunk with usage and empty choices.")
+    include_obfuscation: bool | None = Field(
+        None, description="Accepted; servelm adds no obfuscation padding to stream events."
+    )
+
+
+class SamplingFields(OpenAIRequest):
+    """Sampling fields shared by chat and text completions (OpenAI's and vLLM's)."""
+
+    model: str = Field(description="Name of a served model (see GET /v1/models).")
+    n: int = Field(1, ge=1, le=128, description="Choices to generate.")
+    temperature: float | None = Field(None, description="0 is greedy; default 1.")
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="vLLM extension; -1 or 0 disables.")
+    min_p: float | None = Field(None, description="vLLM extension.")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, description="vLLM extension; 1 disables.")
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = Field(None, description="vLLM extension.")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension.")
+    min_tokens: int = Field(0, description="vLLM extension.")
+    ignore_eos: bool = Field(False, description="vLLM extension.")
+    skip_special_tokens: bool = Field(True, description="vLLM extension.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) to a bias in [-100, 100].")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="Accepted and ignored (end-user id).")
+
+
+# --- chat completions -------------------------------------------------------
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``type: "text"`` is supported."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message in the request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = Field(None, description="For role tool: the call this message answers.")
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="For role assistant: passed to the template.")
+    refusal: str | None = Field(None, description="For role assistant: rendered as the content when content is null.")
+    audio: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
+    function_call: dict[str, Any] | None = Field(None, description="Not supported (deprecated); rejected.")
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, description="Default: up to the model's context length.")
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM extensions
+    add_generation_prompt: bool = Field(True, description="vLLM extension.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: extra template variables.")
+    # accepted, harmless
+    metadata: dict[str, str] | None = None
+    store: bool | None = Field(None, description="Only false: servelm stores nothing.")
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = Field(None, description="Accepted; prefix caching is automatic.")
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    # documented by OpenAI, not supported: see UNSUPPORTED
+    tools: list[Any] | None = Field(None, description="Not supported; rejected unless empty.")
+    tool_choice: Any | None = Field(None, description='Not supported; only "none" is accepted.')
+    functions: list[Any] | None = Field(None, description="Not supported; rejected unless empty.")
+    function_call: Any | None = Field(None, description='Not supported; only "none" is accepted.')
+    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
+    audio: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
+    modalities: list[str] | None = Field(None, description='Only ["text"].')
+    prediction: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
+    web_search_options: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
+    reasoning_effort: str | None = Field(None, description='Not supported; only "none" is accepted.')
+    verbosity: str | None = Field(None, description="Not supported; rejected.")
+    moderation: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
+
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "tools": _absent,
+        "tool_choice": lambda v: v == "none",
+        "functions": _absent,
+        "function_call": lambda v: v == "none",
+        "response_format": lambda v: v.get("type") == "text",
+        "audio": lambda v: False,
+        "modalities": lambda v: v == ["text"],
+        "prediction": lambda v: False,
+        "web_search_options": lambda v: False,
+        "reasoning_effort": lambda v: v == "none",
+        "verbosity": lambda v: False,
+        "moderation": lambda v: False,
+        "store": lambda v: v is False,
+    }
+
+
+class ChatLogprobTop(BaseModel):
+    """One alternative token at a position (chat logprobs format)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobEntry(ChatLogprobTop):
+    """The chosen token at a position, with its top alternatives."""
+
+    top_logprobs: list[ChatLogprobTop]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's logprobs: one entry per generated token."""
+
+    content: list[ChatLogprobEntry] | None
+    refusal: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant message of a chat choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class PromptTokensDetails(BaseModel):
+    """Prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token usage of a request."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A (non-streamed) chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """What a stream chunk adds to a chat choice."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice's delta in a stream chunk."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+    @field_serializer("delta")
+    def _compact_delta(self, delta: ChatDelta) -> dict[str, Any]:
+        # OpenAI omits absent delta keys: the last chunk's delta is {}.
+        return delta.model_dump(exclude_none=True)
+
+
+class ChatCompletionChunk(BaseModel):
+    """One streamed chat event (``chat.completion.chunk``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# --- text completions -------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="A string, a list of strings, a list of token ids, or a list of lists of token ids."
+    )
+    max_tokens: int | None = Field(16, description="null: up to the model's context length.")
+    echo: bool | None = False
+    best_of: int | None = Field(None, ge=1, le=128, description="Not with stream unless equal to n.")
+    logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: str | None = Field(None, description="Not supported; rejected unless empty.")
+
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {"suffix": lambda v: v == ""}
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a text completion (or its piece, when streamed)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    """A text completion, or one streamed event of one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# --- embeddings -------------------------------------------------------------
+
+
+class EmbeddingRequest(OpenAIRequest):
+    """POST /v1/embeddings."""
+
+    model: str
+    input: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="A string, a list of strings, a list of token ids, or a list of lists of token ids."
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, description="Only the model's own dimension is accepted.")
+    user: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    """One input's embedding: floats, or base64 little-endian float32."""
+
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    """Token usage of an embeddings request."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    """The embeddings of a request's inputs."""
+
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+# --- models -----------------------------------------------------------------
+
+
+class ModelObject(BaseModel):
+    """A served model, with its context length (``max_model_len``, as vLLM)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """The served models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+# --- tokenize / detokenize (vLLM) -------------------------------------------
+
+
+class TokenizeRequest(OpenAIRequest):
+    """POST /tokenize: a ``prompt`` or chat ``messages``, not both."""
+
+    model: str | None = Field(None, description="Default: the first chat model.")
+    prompt: str | None = None
+    add_special_tokens: bool | None = Field(
+        None, description="Default true for prompt, false for messages (the template has them)."
+    )
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    """Token ids, their count and the model's context length."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIRequest):
+    """POST /detokenize."""
+
+    model: str | None = Field(None, description="Default: the first chat model.")
+    tokens: TokenIds
+
+
+class DetokenizeResponse(BaseModel):
+    """The text of the token ids."""
+
+    prompt: str
+
+
+# --- misc -------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    """The fields of an error."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope."""
+
+    error: ErrorDetail

@@ -1,0 +1,1 @@
+"""One router per endpoint group; ``create_app`` includes them all."""

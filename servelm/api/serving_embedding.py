@@ -1,0 +1,71 @@
+"""POST /v1/embeddings."""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from servelm.api.errors import APIError, context_length_exceeded
+from servelm.api.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from servelm.api.serving_engine import OpenAIServing, cancel_on_disconnect, check_supported
+
+# OpenAI's own limit on inputs per request.
+MAX_INPUTS = 2048
+
+
+def encode_base64(vector: list[float]) -> str:
+    """Little-endian float32 bytes in base64, as OpenAI sends them."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+class ServingEmbedding(OpenAIServing):
+    """Embeddings of strings or token id lists."""
+
+    async def create(self, req: EmbeddingRequest, raw_request: Request) -> Response:
+        """Handle one embeddings request."""
+        check_supported(req)
+        card = await self.model_card(req.model, "embed")
+        inputs: list[str] | list[list[int]]
+        if isinstance(req.input, str):
+            inputs = [req.input]
+        elif req.input and isinstance(req.input[0], int):
+            inputs = [list(req.input)]  # type: ignore[arg-type]
+        else:
+            inputs = list(req.input)  # type: ignore[arg-type]
+        if not inputs:
+            raise APIError("input must not be empty.", status=400, param="input")
+        if len(inputs) > MAX_INPUTS:
+            raise APIError(f"input may hold at most {MAX_INPUTS} items, got {len(inputs)}.", status=400, param="input")
+        for i, item in enumerate(inputs):
+            if isinstance(item, list):
+                if not item:
+                    raise APIError("Token id inputs must not be empty.", status=400, param=f"input[{i}]")
+                error = context_length_exceeded(card.max_model_len, len(item), 0, "input")
+                if error is not None:
+                    raise error
+
+        outputs = await cancel_on_disconnect(raw_request, self.connector.embed(card.id, inputs))
+        if req.dimensions is not None:
+            dim = len(outputs[0].embedding) if outputs else 0
+            if req.dimensions != dim:
+                raise APIError(
+                    f"The model `{card.id}` only produces {dim}-dimensional embeddings; "
+                    f"dimensions={req.dimensions} is not supported.",
+                    status=400,
+                    param="dimensions",
+                )
+        prompt_tokens = sum(o.num_tokens for o in outputs)
+        self.ctx.metrics.prompt_tokens.labels(card.id).inc(prompt_tokens)
+        data = [
+            EmbeddingData(
+                index=i, embedding=encode_base64(o.embedding) if req.encoding_format == "base64" else o.embedding
+            )
+            for i, o in enumerate(outputs)
+        ]
+        response = EmbeddingResponse(
+            data=data, model=card.id, usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+        )
+        return Response(response.model_dump_json(), media_type="application/json")

@@ -1,0 +1,380 @@
+"""Generation shared by chat and text completions: running prompts on the
+connector, merging their streams, SSE framing, non-streamed collection,
+usage and logprob formatting.
+
+The endpoint handlers differ only in the JSON they build; they plug a
+:class:`ResponseFormatter` into :meth:`GenerationServing.respond`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
+
+from servelm.api.errors import APIError, api_error_from, error_body
+from servelm.api.metrics import Metrics
+from servelm.api.protocol import (
+    ChatLogprobEntry,
+    ChatLogprobTop,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    Usage,
+)
+from servelm.api.serving_engine import OpenAIServing, cancel_on_disconnect
+from servelm.api.sse import DONE_EVENT, EventStreamResponse, sse_event
+from servelm.connectors.base import Connector, ConnectorError
+from servelm.engine.outputs import PositionLogprobs, RequestOutput
+from servelm.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("servelm.api")
+
+# JSON has no -inf; OpenAI-compatible servers report impossible tokens like this.
+_MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class ChoiceDelta:
+    """What one engine step added to one choice, with the choice's API-wide index."""
+
+    index: int
+    prompt_index: int
+    text: str
+    num_tokens: int
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None
+
+
+@dataclass
+class ChoiceResult:
+    """One choice of a finished, non-streamed request."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+
+
+class EngineRequestError(APIError):
+    """The engine failed a request it had admitted (``RequestOutput.error``)."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"The engine failed the request: {detail}", status=500, code="engine_error")
+
+
+class GenerationRun:
+    """One API request's prompts running on the connector, as one stream of choice deltas.
+
+    Prompt ``i`` runs as engine request ``{request_id}-{i}`` (just
+    ``request_id`` when there is one prompt); its choice ``c`` is API
+    choice ``i * n + c``, as OpenAI numbers them. :meth:`start` waits for
+    every prompt's first output so admission errors (context too long,
+    unknown model) surface before a response is chosen. :meth:`close` aborts
+    whatever has not finished; it is idempotent.
+    """
+
+    def __init__(
+        self,
+        connector: Connector,
+        model: str,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        metrics: Metrics,
+    ):
+        self.connector = connector
+        self.model = model
+        self.prompts = prompts
+        self.params = params
+        self.metrics = metrics
+        self.request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
+        self.cached_tokens = [0] * len(prompts)
+        self.completion_tokens = 0
+        self._finished = [False] * len(prompts)
+        self._buffer: list[tuple[int, RequestOutput]] = []
+        self._iterators: list[AsyncIterator[RequestOutput]] = []
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
+        self._closed = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def usage(self) -> Usage:
+        """Token usage so far (all of it once the run is over)."""
+        cached = sum(self.cached_tokens)
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+    async def start(self) -> None:
+        """Submit every prompt and wait for each one's first output.
+
+        Raises the connector's error (e.g. ContextLengthExceeded) after
+        aborting the prompts already submitted.
+        """
+        self._started = True
+        self.metrics.running.labels(self.model).inc()
+        try:
+            if len(self.prompts) == 1:
+                try:
+                    iterator = self.connector.generate(self.model, self.request_ids[0], self.prompts[0], self.params)
+                    self._iterators.append(iterator)
+                    first = await iterator.__anext__()
+                except StopAsyncIteration:
+                    self._finished[0] = True
+                    raise EngineRequestError("the output stream ended before any output") from None
+                except Exception:
+                    self._finished[0] = True  # refused by the connector: nothing to abort
+                    raise
+                self._buffer.append((0, first))
+            else:
+                self._queue = asyncio.Queue()
+                self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.prompts))]
+                waiting = set(range(len(self.prompts)))
+                while waiting:
+                    i, item = await self._queue.get()
+                    if isinstance(item, BaseException) or item is None:
+                        self._finished[i] = True
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is None:
+                        if i in waiting:
+                            raise EngineRequestError("the output stream ended before any output")
+                        continue
+                    self._buffer.append((i, item))
+                    waiting.discard(i)
+        except BaseException:
+            await self.close()
+            raise
+        self.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
+
+    async def _pump(self, i: int) -> None:
+        # One task per prompt: the prompts' streams are consumed concurrently
+        # and merged through the queue in arrival order.
+        assert self._queue is not None
+        try:
+            async for out in self.connector.generate(self.model, self.request_ids[i], self.prompts[i], self.params):
+                self._queue.put_nowait((i, out))
+            self._queue.put_nowait((i, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._queue.put_nowait((i, exc))
+
+    async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._buffer:
+            yield self._buffer.pop(0)
+        if self._queue is None:
+            if not self._finished[0]:
+                async for out in self._iterators[0]:
+                    yield 0, out
+            return
+        while not all(self._finished):
+            i, item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._finished[i] = True
+                raise item
+            if item is None:
+                self._finished[i] = True  # ended without finished=True: take it as done
+                continue
+            yield i, item
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """The choices' deltas as they arrive; raises EngineRequestError on an engine failure."""
+        n = self.params.n
+        async for i, out in self._outputs():
+            if out.error:
+                self._finished[i] = True
+                raise EngineRequestError(out.error)
+            if out.prompt_logprobs is not None and self.prompt_logprobs[i] is None:
+                self.prompt_logprobs[i] = out.prompt_logprobs
+            self.cached_tokens[i] = max(self.cached_tokens[i], out.num_cached_tokens)
+            new_tokens = 0
+            for c in out.outputs:
+                new_tokens += len(c.token_ids)
+                yield ChoiceDelta(
+                    index=i * n + c.index,
+                    prompt_index=i,
+                    text=c.text,
+                    num_tokens=len(c.token_ids),
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                )
+            if new_tokens:
+                self.completion_tokens += new_tokens
+                self.metrics.generation_tokens.labels(self.model).inc(new_tokens)
+            if out.finished:
+                self._finished[i] = True
+        if self._queue is None:
+            self._finished[0] = True
+
+    async def collect(self) -> list[ChoiceResult]:
+        """Run to the end and return every choice, ordered by index."""
+        results: dict[int, ChoiceResult] = {}
+        async for d in self.deltas():
+            r = results.get(d.index)
+            if r is None:
+                r = results[d.index] = ChoiceResult(d.index, d.prompt_index)
+            r.text += d.text
+            r.num_tokens += d.num_tokens
+            if d.logprobs is not None:
+                r.logprobs = (r.logprobs or []) + list(d.logprobs)
+            if d.finish_reason is not None:
+                r.finish_reason = d.finish_reason
+        for r in results.values():
+            if r.finish_reason is None:
+                r.finish_reason = "stop"
+        return [results[k] for k in sorted(results)]
+
+    async def close(self) -> None:
+        """Abort every prompt that has not finished. Safe to call more than once."""
+        if self._closed or not self._started:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                try:
+                    await task
+                except BaseException:
+                    pass
+            for iterator in self._iterators:
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    try:
+                        await aclose()
+                    except Exception:
+                        logger.exception("closing the output stream of %s failed", self.request_ids[0])
+            for request_id, finished in zip(self.request_ids, self._finished):
+                if not finished:
+                    try:
+                        await self.connector.abort(self.model, request_id)
+                    except Exception:
+                        logger.exception("aborting request %s failed", request_id)
+            self.metrics.running.labels(self.model).dec()
+
+
+class ResponseFormatter(Protocol):
+    """The endpoint-specific JSON of a generation response."""
+
+    include_usage: bool
+
+    def stream_prologue(self) -> list[BaseModel]:
+        """Chunks sent before any output (chat: each choice's role)."""
+        ...
+
+    def stream_chunks(self, delta: ChoiceDelta, run: GenerationRun) -> list[BaseModel]:
+        """Chunks for one choice delta."""
+        ...
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        """The final chunk of a stream with ``include_usage``."""
+        ...
+
+    def response(self, choices: list[ChoiceResult], run: GenerationRun) -> BaseModel:
+        """The non-streamed response."""
+        ...
+
+
+class GenerationServing(OpenAIServing):
+    """Base of chat and text completions: runs a request and renders it streamed or not."""
+
+    async def respond(
+        self, raw_request: Request, run: GenerationRun, formatter: ResponseFormatter, stream: bool
+    ) -> Response:
+        """Start ``run`` and answer with an SSE stream or one JSON body."""
+        await cancel_on_disconnect(raw_request, run.start())
+        if stream:
+            return EventStreamResponse(self._events(run, formatter), on_close=run.close)
+        try:
+            choices = await cancel_on_disconnect(raw_request, run.collect())
+        finally:
+            await run.close()
+        return Response(formatter.response(choices, run).model_dump_json(), media_type="application/json")
+
+    async def _events(self, run: GenerationRun, formatter: ResponseFormatter) -> AsyncIterator[str]:
+        exclude = None if formatter.include_usage else {"usage"}
+        try:
+            for chunk in formatter.stream_prologue():
+                yield sse_event(chunk, exclude)
+            async for delta in run.deltas():
+                for chunk in formatter.stream_chunks(delta, run):
+                    yield sse_event(chunk, exclude)
+            if formatter.include_usage:
+                yield sse_event(formatter.usage_chunk(run.usage()))
+        except Exception as exc:
+            if not isinstance(exc, (APIError, ConnectorError)):
+                logger.exception("generation stream %s failed", run.request_ids[0])
+            err = api_error_from(exc)
+            yield sse_event(error_body(err.message, err.type, err.param, err.code))
+        finally:
+            await run.close()
+        yield DONE_EVENT
+
+
+def clamp_logprob(value: float) -> float:
+    """A JSON-safe logprob (no -inf or NaN)."""
+    if math.isnan(value) or value < _MIN_LOGPROB:
+        return _MIN_LOGPROB
+    return value
+
+
+def chat_logprobs(entries: list[PositionLogprobs]) -> list[ChatLogprobEntry]:
+    """Logprobs in the chat format: token, logprob, UTF-8 bytes and the top alternatives."""
+    return [
+        ChatLogprobEntry(
+            token=e.chosen.text,
+            logprob=clamp_logprob(e.chosen.logprob),
+            bytes=list(e.chosen.text.encode("utf-8")),
+            top_logprobs=[
+                ChatLogprobTop(token=t.text, logprob=clamp_logprob(t.logprob), bytes=list(t.text.encode("utf-8")))
+                for t in e.top
+            ],
+        )
+        for e in entries
+    ]
+
+
+def legacy_logprobs(
+    entries: list[PositionLogprobs | None], text_offset: int, first_token_text: str = ""
+) -> CompletionLogprobs:
+    """Logprobs in the legacy completions format, offsets counted from ``text_offset``.
+
+    A ``None`` entry (the first prompt token, which nothing predicts) gets a
+    null logprob and null top_logprobs; its text is ``first_token_text``.
+    """
+    out = CompletionLogprobs()
+    offset = text_offset
+    for e in entries:
+        if e is None:
+            token = first_token_text
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            token = e.chosen.text
+            out.token_logprobs.append(clamp_logprob(e.chosen.logprob))
+            top = {t.text: clamp_logprob(t.logprob) for t in e.top}
+            top.setdefault(token, clamp_logprob(e.chosen.logprob))
+            out.top_logprobs.append(top)
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out

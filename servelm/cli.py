@@ -1,0 +1,362 @@
+"""The ``servelm`` command: ``servelm serve`` runs the server, ``servelm chat`` talks to one.
+
+Settings come from defaults < ``--config`` YAML < ``SERVELM_*`` environment
+< flags. A bad setting exits with status 2 and a message naming it. The
+engine (and so torch) is imported only when ``serve`` actually starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
+
+import httpx
+import uvicorn
+from pydantic import ValidationError
+
+from servelm.settings import ENV_PREFIX, Settings, SettingsError, unknown_env_vars
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+SUBCOMMANDS = ("serve", "chat")
+
+
+def _default(name: str) -> Any:
+    field = Settings.model_fields[name]
+    return field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+
+
+def _flag_names() -> dict[str, str]:
+    """Setting name -> the flag that sets it, for error messages."""
+    return {
+        "api_keys": "--api-key",
+        "cors_origins": "--cors-origin",
+        "enable_prefix_caching": "--[no-]prefix-caching",
+        "metrics_require_auth": "--[no-]metrics-require-auth",
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``servelm`` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="servelm",
+        description="An OpenAI-compatible LLM inference server with its own serving engine. "
+        "With no subcommand, 'serve' is assumed.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{serve,chat}")
+
+    serve = sub.add_parser(
+        "serve",
+        help="load the models and serve the OpenAI-compatible API",
+        description="Load the models, then serve the OpenAI-compatible API. Settings: defaults < --config "
+        f"file < {ENV_PREFIX}* environment variables < these flags. A bad setting exits with status 2.",
+        argument_default=argparse.SUPPRESS,
+    )
+    serve.set_defaults(command_parser=serve)
+    d = _default
+    serve.add_argument("--config", metavar="FILE", help="YAML config file (see servelm.yaml)")
+    g = serve.add_argument_group("models")
+    g.add_argument("--model", metavar="NAME_OR_PATH", help=f"chat/completions model: a bundled name, a Hugging Face folder or a GGUF file (default: {d('model')})")
+    g.add_argument("--embedding-model", metavar="NAME_OR_PATH", help=f"embedding model, or 'none' to serve no embeddings (default: {d('embedding_model')})")
+    g.add_argument("--served-model-name", metavar="NAME", help="the name clients send as 'model' for the chat model (default: --model as given)")
+    g.add_argument("--chat-template", metavar="FILE", help="Jinja chat template file overriding the model's own (read at start-up)")
+    g = serve.add_argument_group("engine")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help=f"weight and activation dtype; auto: float32 on CPU, bfloat16 on CUDA (default: {d('dtype')})")
+    g.add_argument("--device", metavar="DEVICE", help=f"cpu, cuda, cuda:N or auto (default: {d('device')})")
+    g.add_argument("--max-num-seqs", metavar="N", help=f"most sequences running at once (default: {d('max_num_seqs')})")
+    g.add_argument("--max-num-batched-tokens", metavar="N", help=f"token budget of one engine step (default: {d('max_num_batched_tokens')})")
+    g.add_argument("--max-model-len", metavar="N", help="context length limit (default: the model's own)")
+    g.add_argument("--kv-cache-memory", metavar="SIZE", help=f"KV cache size: bytes (1073741824, 4GiB, 512MB) or a fraction of free memory (0.5) (default: {d('kv_cache_memory')})")
+    g.add_argument("--block-size", metavar="N", help=f"tokens per KV cache block, a power of two (default: {d('block_size')})")
+    g.add_argument("--prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction, help="reuse the KV cache of shared prompt prefixes (default: on)")
+    g.add_argument("--seed", metavar="N", help=f"engine random seed (default: {d('seed')})")
+    g = serve.add_argument_group("HTTP")
+    g.add_argument("--host", metavar="HOST", help=f"address to listen on (default: {d('host')})")
+    g.add_argument("--port", metavar="PORT", help=f"port to listen on, 0 for any free port (default: {d('port')})")
+    g.add_argument("--api-key", dest="api_keys", metavar="KEY", action="append", help=f"require 'Authorization: Bearer KEY' (repeatable; also {ENV_PREFIX}API_KEYS, comma-separated) (default: no auth)")
+    g.add_argument("--metrics-require-auth", action=argparse.BooleanOptionalAction, help="require the API key on /metrics too (default: off)")
+    g.add_argument("--cors-origin", dest="cors_origins", metavar="ORIGIN", action="append", help="allow browser requests from ORIGIN, or '*' (repeatable) (default: CORS off)")
+    g.add_argument("--max-body-bytes", metavar="N", help=f"largest request body accepted, larger gets 413 (default: {d('max_body_bytes')})")
+    g.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], help=f"server log level (default: {d('log_level')})")
+
+    chat = sub.add_parser(
+        "chat",
+        help="chat with a running server in the terminal",
+        description="Chat with a running servelm (or any OpenAI-compatible) server. Replies stream as they are "
+        "generated; the conversation is kept. Exit with /quit or Ctrl-D; /reset starts over.",
+    )
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server URL, with or without /v1 (default: %(default)s)")
+    chat.add_argument("--api-key", default=None, help=f"API key (default: the first of {ENV_PREFIX}API_KEYS, if set)")
+    chat.add_argument("--model", default=None, help="model to chat with (default: the server's first model)")
+    chat.add_argument("--system", default=None, metavar="PROMPT", help="system prompt")
+    chat.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+    chat.add_argument("--max-tokens", type=int, default=None, help="longest reply in tokens (default: up to the context)")
+    return parser
+
+
+def _normalise_argv(argv: Sequence[str]) -> list[str]:
+    # `servelm --model x` and `python -m servelm` mean `servelm serve ...`.
+    argv = list(argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+        return ["serve", *argv]
+    return argv
+
+
+def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Settings:
+    """Settings from the parsed ``serve`` flags, the environment and the config file.
+
+    Exits with status 2 (via ``parser.error``) naming the bad setting.
+    """
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "command_parser")}
+    unknown = unknown_env_vars()
+    if unknown:
+        parser.error(f"unknown environment variable(s) {', '.join(unknown)}: no such setting")
+    try:
+        return Settings(**flags)
+    except SettingsError as exc:
+        parser.error(str(exc))
+    except ValidationError as exc:
+        parser.error(describe_validation_error(exc))
+    raise AssertionError("unreachable")
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per bad setting, naming it as a flag, an environment variable and a config key."""
+    flags = _flag_names()
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if isinstance(p, str)]
+        name = loc[0] if loc else ""
+        if err.get("type") == "extra_forbidden":
+            lines.append(f"unknown setting '{name}' (in the config file)")
+            continue
+        message = err.get("msg", "invalid")
+        if not name:
+            lines.append(message.removeprefix("Value error, "))
+            continue
+        flag = flags.get(name, "--" + name.replace("_", "-"))
+        got = err.get("input")
+        lines.append(
+            f"invalid setting '{name}' ({flag} / {ENV_PREFIX}{name.upper()}): "
+            f"{message.removeprefix('Value error, ')} (got {got!r})"
+        )
+    return "; ".join(lines)
+
+
+class _ReadyServer(uvicorn.Server):
+    """uvicorn's server, calling ``on_ready`` once its sockets listen."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None] | None):
+        super().__init__(config)
+        self.on_ready = on_ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.on_ready is not None:
+            self.on_ready()
+
+
+class ServelmServer:
+    """The HTTP server of ``servelm serve``: uvicorn, reporting its URL once it listens."""
+
+    def __init__(self, app: FastAPI, settings: Settings, on_ready: Callable[[str], None] | None = None):
+        self.config = uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=10,
+        )
+        self.server = _ReadyServer(self.config, (lambda: on_ready(self.url)) if on_ready is not None else None)
+        self.settings = settings
+
+    @property
+    def url(self) -> str:
+        """The base URL actually bound (port 0 resolved)."""
+        port = self.settings.port
+        for server in getattr(self.server, "servers", []):
+            for sock in server.sockets:
+                port = sock.getsockname()[1]
+                break
+        host = self.settings.host
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{port}"
+
+    def run(self) -> None:
+        """Serve until interrupted."""
+        self.server.run()
+
+
+def serve(settings: Settings, out: TextIO = sys.stderr) -> int:
+    """Load the models, then serve until interrupted."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+    def say(message: str) -> None:
+        print(f"servelm: {message}", file=out, flush=True)
+
+    from servelm.models.registry import ModelPathError, resolve_model_path
+
+    for flag, name in (("--model", settings.model), ("--embedding-model", settings.embedding_model)):
+        if name is not None:
+            try:
+                resolve_model_path(name)
+            except ModelPathError as exc:
+                say(f"error: {flag}: {exc}")
+                return 2
+
+    from servelm.api import create_app
+    from servelm.connectors.local import LocalConnector
+
+    connector = LocalConnector(
+        settings.model,
+        settings.embedding_model,
+        settings.engine_config(),
+        served_model_name=settings.served_model_name,
+    )
+    try:
+        say(f"loading {settings.model}" + (f" and {settings.embedding_model}" if settings.embedding_model else ""))
+        try:
+            connector.load(progress=say)
+        except Exception as exc:
+            logging.getLogger("servelm").debug("loading failed", exc_info=True)
+            say(f"error: could not load the models: {exc}")
+            return 1
+        app = create_app(connector, settings)
+        server = ServelmServer(app, settings, on_ready=lambda url: say(f"ready: {url} (OpenAI base URL {url}/v1)"))
+        server.run()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        connector.shutdown()
+    return 0
+
+
+def _base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return response.json()["error"]["message"]
+    except Exception:
+        return f"HTTP {response.status_code}: {response.text[:200]}"
+
+
+def run_chat(
+    url: str,
+    api_key: str | None = None,
+    model: str | None = None,
+    system: str | None = None,
+    temperature: float | None = None,
+    max_tokens: int | None = None,
+    *,
+    input_fn: Callable[[str], str] = input,
+    out: TextIO = sys.stdout,
+    transport: httpx.BaseTransport | None = None,
+) -> int:
+    """Interactive chat against a running server; returns the exit status."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    base = _base_url(url)
+    client = httpx.Client(
+        base_url=base, headers=headers, timeout=httpx.Timeout(30.0, read=None), transport=transport
+    )
+    with client:
+        try:
+            if model is None:
+                r = client.get("/v1/models")
+                if r.status_code != 200:
+                    print(f"error: {_error_message(r)}", file=out)
+                    return 1
+                models = r.json().get("data", [])
+                if not models:
+                    print("error: the server serves no models", file=out)
+                    return 1
+                model = models[0]["id"]
+        except httpx.HTTPError as exc:
+            print(f"error: cannot reach {base}: {exc}", file=out)
+            return 1
+
+        print(f"Chatting with {model} at {base}. /quit or Ctrl-D exits, /reset starts over.", file=out, flush=True)
+        start = [{"role": "system", "content": system}] if system else []
+        history: list[dict[str, str]] = list(start)
+        while True:
+            try:
+                line = input_fn("you> ")
+            except (EOFError, KeyboardInterrupt):
+                print(file=out)
+                return 0
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/quit", "/exit"):
+                return 0
+            if text == "/reset":
+                history = list(start)
+                print("(conversation cleared)", file=out, flush=True)
+                continue
+            history.append({"role": "user", "content": text})
+            body: dict[str, Any] = {"model": model, "messages": history, "stream": True}
+            if temperature is not None:
+                body["temperature"] = temperature
+            if max_tokens is not None:
+                body["max_tokens"] = max_tokens
+            reply, error = _stream_reply(client, body, out)
+            if error is not None:
+                print(f"error: {error}", file=out, flush=True)
+                history.pop()
+                continue
+            history.append({"role": "assistant", "content": reply})
+
+
+def _stream_reply(client: httpx.Client, body: dict[str, Any], out: TextIO) -> tuple[str, str | None]:
+    """Stream one reply to ``out``; returns (text, error message or None)."""
+    parts: list[str] = []
+    try:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return "", _error_message(r)
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    print(file=out)
+                    return "".join(parts), event["error"].get("message", "stream error")
+                for choice in event.get("choices", []):
+                    piece = choice.get("delta", {}).get("content")
+                    if piece:
+                        parts.append(piece)
+                        print(piece, end="", file=out, flush=True)
+    except KeyboardInterrupt:
+        print(" [interrupted]", file=out, flush=True)  # leaving the block closed the stream: the server aborts
+        return "".join(parts), None
+    except httpx.HTTPError as exc:
+        return "", f"request failed: {exc}"
+    print(file=out, flush=True)
+    return "".join(parts), None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``servelm`` command."""
+    parser = build_parser()
+    args = parser.parse_args(_normalise_argv(sys.argv[1:] if argv is None else argv))
+    if args.command == "chat":
+        api_key = args.api_key
+        if api_key is None:
+            keys = [k.strip() for k in os.environ.get(f"{ENV_PREFIX}API_KEYS", "").split(",") if k.strip()]
+            api_key = keys[0] if keys else None
+        return run_chat(args.url, api_key, args.model, args.system, args.temperature, args.max_tokens)
+    settings = settings_from_args(args, args.command_parser)
+    return serve(settings)

@@ -1,0 +1,213 @@
+"""Server settings: defaults < YAML config file < ``SERVELM_*`` environment < command-line flags.
+
+Built with pydantic-settings. Flags arrive as init keyword arguments (the
+highest priority), the environment is read with the ``SERVELM_`` prefix,
+and the YAML file named by ``config`` (flag ``--config`` or
+``SERVELM_CONFIG``) comes last. Unknown keys and bad values are errors that
+name the setting. Torch-free: the API imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from servelm.engine.config import EngineConfig
+
+ENV_PREFIX = "SERVELM_"
+
+# Kept in step with servelm.models.registry (a test checks); not imported from
+# there so that the API, which imports settings, never pulls in servelm.models.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+class SettingsError(ValueError):
+    """A settings problem that is not a field's value: a missing or malformed config file."""
+
+
+def parse_memory(value: Any) -> Any:
+    """``kv_cache_memory``: bytes (``1073741824``, ``4GiB``, ``512MB``) or a fraction (``0.5``)."""
+    if isinstance(value, bool) or not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        number = float(text)
+    except ValueError:
+        match = _SIZE.match(text)
+        if match is None:
+            raise ValueError(f"expected bytes (e.g. 1073741824, 4GiB) or a fraction in (0, 1], got {value!r}") from None
+        number_text, unit = match.group(1), (match.group(2) or "").lower()
+        base = 1024 if "i" in unit else 1000
+        scale = base ** " kmgt".index(unit[0]) if unit and unit[0] in "kmgt" else 1
+        return int(float(number_text) * scale)
+    if "." in text or "e" in text.lower():
+        return number
+    return int(text)
+
+
+def _split_list(value: Any) -> Any:
+    # Environment variables and flags carry lists comma-separated.
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+class _YamlFileSource(InitSettingsSource):
+    """Settings from the YAML file named by ``config`` in the flags or the environment."""
+
+    def __init__(self, settings_cls: type[BaseSettings], init_kwargs: Mapping[str, Any]):
+        path = init_kwargs.get("config") or os.environ.get(f"{ENV_PREFIX}CONFIG")
+        data: dict[str, Any] = {}
+        if path:
+            file = Path(path).expanduser()
+            if not file.is_file():
+                raise SettingsError(f"config file {str(path)!r} does not exist")
+            try:
+                loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
+            except (OSError, yaml.YAMLError) as exc:
+                raise SettingsError(f"config file {str(path)!r} could not be read: {exc}") from None
+            if loaded is None:
+                loaded = {}
+            if not isinstance(loaded, dict):
+                raise SettingsError(f"config file {str(path)!r} must hold a mapping of setting: value")
+            data = {str(k): v for k, v in loaded.items()}
+        super().__init__(settings_cls, data)
+
+
+class Settings(BaseSettings):
+    """Everything ``servelm serve`` can be told, with its default.
+
+    ``engine_config()`` turns the engine fields into an ``EngineConfig``.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="forbid",
+        validate_default=True,
+        case_sensitive=False,
+    )
+
+    config: Path | None = Field(None, description="YAML config file (flags and environment override it).")
+
+    # models
+    model: str = Field(DEFAULT_MODEL, description="Chat/completions model: a bundled name or a path.")
+    embedding_model: str | None = Field(
+        DEFAULT_EMBEDDING_MODEL, description="Embedding model: a bundled name, a path, or none."
+    )
+    served_model_name: str | None = Field(None, description="Name clients use for the chat model.")
+    chat_template: Path | None = Field(None, description="Jinja chat template file overriding the model's own.")
+
+    # engine
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    kv_cache_memory: int | float = Field(1 << 30, description="KV cache size: bytes, or a fraction of free memory.")
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    metrics_require_auth: bool = False
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        init_kwargs = getattr(init_settings, "init_kwargs", {})
+        return (init_settings, env_settings, _YamlFileSource(settings_cls, init_kwargs))
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _parse_memory(cls, value: Any) -> Any:
+        return parse_memory(value)
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_blank_keys(cls, value: list[str]) -> list[str]:
+        if any(not key.strip() for key in value):
+            raise ValueError("API keys must not be blank")
+        return value
+
+    @field_validator("embedding_model", mode="before")
+    @classmethod
+    def _none_disables(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+            return None
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _readable(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.expanduser().is_file():
+            raise ValueError(f"chat template file {str(value)!r} does not exist")
+        return value
+
+    @model_validator(mode="after")
+    def _engine_config_valid(self) -> Settings:
+        try:
+            self.engine_config()
+        except ValueError as exc:
+            raise ValueError(f"invalid engine setting: {exc}") from None
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration from these settings."""
+        return EngineConfig(
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            kv_cache_memory=self.kv_cache_memory,
+            enable_prefix_caching=self.enable_prefix_caching,
+            seed=self.seed,
+        )
+
+    def read_chat_template(self) -> str | None:
+        """The override chat template's text, or None to use each model's own."""
+        if self.chat_template is None:
+            return None
+        return self.chat_template.expanduser().read_text(encoding="utf-8")
+
+
+def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``SERVELM_*`` variables that name no setting (likely typos)."""
+    environ = os.environ if environ is None else environ
+    known = {f"{ENV_PREFIX}{name}".upper() for name in Settings.model_fields}
+    return sorted(k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)

@@ -1,0 +1,332 @@
+"""Settings precedence and validation, the CLI's parsing, `servelm chat`."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from servelm import cli
+from servelm.engine.config import EngineConfig
+from servelm.settings import Settings, parse_memory
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load(argv: list[str]) -> Settings:
+    parser = cli.build_parser()
+    args = parser.parse_args(cli._normalise_argv(argv))
+    return cli.settings_from_args(args, args.command_parser)
+
+
+def fails(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        load(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def write(tmp_path: Path, data: object) -> str:
+    path = tmp_path / "servelm.yaml"
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return str(path)
+
+
+def test_defaults():
+    s = load([])
+    assert (s.model, s.embedding_model, s.host, s.port) == ("smollm2-135m-instruct", "all-minilm-l6-v2", "127.0.0.1", 8000)
+    assert s.api_keys == [] and s.cors_origins == [] and s.metrics_require_auth is False
+    assert s.engine_config() == EngineConfig()
+
+
+def test_defaults_match_the_model_registry():
+    from servelm.models.registry import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
+
+    assert Settings().model == DEFAULT_MODEL
+    assert Settings().embedding_model == DEFAULT_EMBEDDING_MODEL
+
+
+def test_precedence_file_env_flags(tmp_path, monkeypatch):
+    config = write(tmp_path, {"port": 1000, "max_num_seqs": 3, "model": "from-file", "host": "0.0.0.0"})
+    monkeypatch.setenv("SERVELM_PORT", "2000")
+    monkeypatch.setenv("SERVELM_MODEL", "from-env")
+    s = load(["serve", "--config", config, "--port", "3000"])
+    assert s.port == 3000  # flag beats env and file
+    assert s.model == "from-env"  # env beats file
+    assert s.max_num_seqs == 3 and s.host == "0.0.0.0"  # file beats defaults
+
+
+def test_config_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("SERVELM_CONFIG", write(tmp_path, {"port": 1234}))
+    assert load([]).port == 1234
+
+
+def test_lists_from_every_source(tmp_path, monkeypatch):
+    assert load(["--api-key", "a", "--api-key", "b"]).api_keys == ["a", "b"]
+    assert load(["--config", write(tmp_path, {"api_keys": ["f"], "cors_origins": "http://a, http://b"})]).cors_origins == [
+        "http://a",
+        "http://b",
+    ]
+    monkeypatch.setenv("SERVELM_API_KEYS", "k1, k2")
+    assert load([]).api_keys == ["k1", "k2"]
+
+
+def test_engine_flags_build_the_engine_config(tmp_path):
+    s = load(
+        ["--dtype", "float32", "--device", "cpu", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+         "--max-model-len", "1024", "--kv-cache-memory", "0.25", "--block-size", "32", "--no-prefix-caching",
+         "--seed", "7"]
+    )
+    assert s.engine_config() == EngineConfig(
+        dtype="float32", device="cpu", block_size=32, max_num_seqs=8, max_num_batched_tokens=512,
+        max_model_len=1024, kv_cache_memory=0.25, enable_prefix_caching=False, seed=7,
+    )
+
+
+def test_embedding_model_none():
+    assert load(["--embedding-model", "none"]).embedding_model is None
+
+
+def test_chat_template_must_exist(tmp_path, capsys):
+    err = fails(["--chat-template", str(tmp_path / "missing.jinja")], capsys)
+    assert "chat_template" in err
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ x }}")
+    assert load(["--chat-template", str(template)]).read_chat_template() == "{{ x }}"
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [("0.5", 0.5), ("1073741824", 1073741824), ("4GiB", 4 << 30), ("512MB", 512 * 10**6), ("2k", 2000), (0.5, 0.5), (1, 1)],
+)
+def test_parse_memory(value, expected):
+    assert parse_memory(value) == expected
+
+
+@pytest.mark.parametrize(
+    "argv,name",
+    [
+        (["--port", "abc"], "port"),
+        (["--port", "70000"], "port"),
+        (["--max-num-seqs", "0"], "max_num_seqs"),
+        (["--block-size", "3"], "block_size"),
+        (["--kv-cache-memory", "1.5"], "kv_cache_memory"),
+        (["--kv-cache-memory", "lots"], "kv_cache_memory"),
+        (["--device", "tpu"], "device"),
+        (["--max-body-bytes", "-1"], "max_body_bytes"),
+        (["--dtype", "int4"], "dtype"),
+        (["--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_bad_flag_exits_2_naming_it(argv, name, capsys):
+    assert name in fails(argv, capsys)
+
+
+def test_bad_env_value_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("SERVELM_MAX_NUM_SEQS", "many")
+    err = fails([], capsys)
+    assert "max_num_seqs" in err and "SERVELM_MAX_NUM_SEQS" in err
+
+
+def test_unknown_env_var_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("SERVELM_MAX_NUM_SEQ", "4")
+    assert "SERVELM_MAX_NUM_SEQ" in fails([], capsys)
+
+
+def test_unknown_file_key_exits_2(tmp_path, capsys):
+    assert "max_seqs" in fails(["--config", write(tmp_path, {"max_seqs": 4})], capsys)
+
+
+def test_bad_file_value_exits_2(tmp_path, capsys):
+    assert "port" in fails(["--config", write(tmp_path, {"port": "high"})], capsys)
+
+
+@pytest.mark.parametrize("content", ["- a\n- b\n", "port: [1,\n", 42])
+def test_malformed_file_exits_2(tmp_path, content, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(str(content))
+    assert "c.yaml" in fails(["--config", str(path)], capsys)
+
+
+def test_missing_file_exits_2(tmp_path, capsys):
+    assert "nope.yaml" in fails(["--config", str(tmp_path / "nope.yaml")], capsys)
+
+
+def test_example_config_documents_every_setting():
+    path = REPO / "servelm.yaml"
+    text = path.read_text()
+    for name in Settings.model_fields:
+        if name != "config":
+            assert f"\n{name}:" in text or f"\n# {name}:" in text, f"servelm.yaml does not document {name}"
+    example = Settings(config=path)
+    defaults = Settings()
+    for name in Settings.model_fields:
+        if name != "config":
+            assert getattr(example, name) == getattr(defaults, name), name
+
+
+def test_help_lists_every_setting():
+    parser = cli.build_parser()
+    serve_help = parser.parse_args(["serve"]).command_parser.format_help()
+    flags = cli._flag_names()
+    for name in Settings.model_fields:
+        flag = flags.get(name, "--" + name.replace("_", "-"))
+        assert flag.replace("[no-]", "") in serve_help, f"--help lacks {flag}"
+
+
+def test_serve_rejects_a_missing_model_before_loading(tmp_path):
+    out = io.StringIO()
+    rc = cli.serve(Settings(model=str(tmp_path / "missing.gguf"), embedding_model=None), out=out)
+    assert rc == 2
+    assert "--model" in out.getvalue()
+
+
+def test_python_dash_m_entry_point():
+    run = [sys.executable, "-m", "servelm"]
+    help_ = subprocess.run([*run, "serve", "--help"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert help_.returncode == 0 and "--kv-cache-memory" in help_.stdout
+    bad = subprocess.run([*run, "--port", "abc"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and "port" in bad.stderr
+
+
+def test_chat_cli(fake, live_server):
+    inputs = iter(["hello", "", "again", "/reset", "fresh", "/quit"])
+    out = io.StringIO()
+    rc = cli.run_chat(live_server + "/v1", system="be nice", input_fn=lambda prompt: next(inputs), out=out)
+    assert rc == 0
+    assert out.getvalue().count("Hello world") == 3
+    calls = [c["messages"] for c in fake.template_calls]
+    assert calls[0] == [{"role": "system", "content": "be nice"}, {"role": "user", "content": "hello"}]
+    assert calls[1] == [
+        {"role": "system", "content": "be nice"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "Hello world"},
+        {"role": "user", "content": "again"},
+    ]
+    assert calls[2] == [{"role": "system", "content": "be nice"}, {"role": "user", "content": "fresh"}]
+
+
+def test_chat_cli_eof_and_errors(fake, live_server):
+    def eof(prompt: str) -> str:
+        raise EOFError
+
+    out = io.StringIO()
+    assert cli.run_chat(live_server, model="nope", input_fn=eof, out=out) == 0
+    inputs = iter(["hi"])
+
+    def once(prompt: str) -> str:
+        try:
+            return next(inputs)
+        except StopIteration:
+            raise EOFError from None
+
+    out = io.StringIO()
+    assert cli.run_chat(live_server, model="nope", input_fn=once, out=out) == 0
+    assert "error: The model `nope` does not exist." in out.getvalue()
+
+
+def test_chat_cli_unreachable():
+    out = io.StringIO()
+    assert cli.run_chat("http://127.0.0.1:9", input_fn=lambda p: "/quit", out=out) == 1
+    assert "cannot reach" in out.getvalue()
+
+
+def test_chat_cli_with_auth(fake):
+    from .conftest import ThreadedServer, make_app
+
+    with ThreadedServer(make_app(fake, api_keys=["sekrit"])) as url:
+        out = io.StringIO()
+        assert cli.run_chat(url, input_fn=lambda p: "/quit", out=out) == 1
+        assert "API key" in out.getvalue()
+        out = io.StringIO()
+        inputs = iter(["hi", "/quit"])
+        assert cli.run_chat(url, api_key="sekrit", input_fn=lambda p: next(inputs), out=out) == 0
+        assert "Hello world" in out.getvalue()
+
+
+def test_serve_loads_then_listens_and_shuts_down(tmp_path, monkeypatch):
+    """The whole `serve` path with the engine replaced by the fake: load, ready line, shutdown."""
+    import httpx
+
+    import servelm.connectors.local as local
+
+    from .fake_connector import FakeConnector
+
+    events: list[str] = []
+
+    class FakeLocal(FakeConnector):
+        def __init__(self, model, embedding_model, engine_config, served_model_name=None):
+            super().__init__(healthy=False)
+            events.append(f"init {engine_config.max_num_seqs}")
+
+        def load(self, progress=None):
+            progress("loading fake weights")
+            self.healthy = True
+
+        def shutdown(self):
+            events.append("shutdown")
+
+    class OneRequestServer(cli.ServelmServer):
+        def __init__(self, app, settings, on_ready=None):
+            import threading
+
+            self.ready = threading.Event()
+
+            def ready(url: str) -> None:
+                on_ready(url)
+                self.ready.set()
+
+            super().__init__(app, settings, on_ready=ready)
+
+        def run(self):
+            import threading
+
+            # uvicorn blocks: serve it in a thread, answer one request once the
+            # ready line is out, then stop it as Ctrl-C would.
+            thread = threading.Thread(target=super().run)
+            thread.start()
+            assert self.ready.wait(timeout=20)
+            events.append(str(httpx.get(self.url + "/health").status_code))
+            self.server.should_exit = True
+            thread.join(timeout=20)
+
+    monkeypatch.setattr(local, "LocalConnector", FakeLocal)
+    monkeypatch.setattr(cli, "ServelmServer", OneRequestServer)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    out = io.StringIO()
+    rc = cli.serve(Settings(model=str(model), embedding_model=None, port=0, max_num_seqs=5, log_level="warning"), out=out)
+    assert rc == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("servelm: loading ")
+    assert lines[1] == "servelm: loading fake weights"
+    assert lines[2].startswith("servelm: ready: http://127.0.0.1:") and lines[2].endswith("/v1)")
+    assert events == ["init 5", "200", "shutdown"]
+
+
+def test_serve_reports_a_failed_load(tmp_path, monkeypatch):
+    import servelm.connectors.local as local
+
+    events: list[str] = []
+
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def load(self, progress=None):
+            raise RuntimeError("weights are corrupt")
+
+        def shutdown(self):
+            events.append("shutdown")
+
+    monkeypatch.setattr(local, "LocalConnector", Broken)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    out = io.StringIO()
+    assert cli.serve(Settings(model=str(model), embedding_model=None), out=out) == 1
+    assert "could not load the models: weights are corrupt" in out.getvalue()
+    assert events == ["shutdown"]
