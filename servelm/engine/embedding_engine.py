@@ -29,6 +29,10 @@ _POOLING_KEYS = (
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
+class InputTooLongError(ValueError):
+    """An input with more tokens than the encoder's context."""
+
+
 @dataclass(frozen=True)
 class SentenceConfig:
     """How hidden states become one vector: the sentence-transformers recipe of a folder."""
@@ -128,7 +132,7 @@ class EmbeddingEngine:
         if not ids:
             raise ValueError(f"input {index} is empty")
         if len(ids) > self.max_model_len:
-            raise ValueError(
+            raise InputTooLongError(
                 f"input {index} has {len(ids)} tokens, more than this model's maximum of "
                 f"{self.max_model_len} tokens"
             )

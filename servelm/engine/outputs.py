@@ -75,3 +75,40 @@ class EmbeddingOutput:
 
     embedding: list[float]
     num_tokens: int
+
+
+def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold a delta output into the cumulative output of the same request.
+
+    ``total`` is None for the first delta. The result has ``delta=False`` and
+    every choice seen so far, in index order.
+    """
+    if total is None:
+        total = RequestOutput(
+            request_id=delta.request_id,
+            prompt=delta.prompt,
+            prompt_token_ids=delta.prompt_token_ids,
+            outputs=[],
+        )
+    choices = {c.index: c for c in total.outputs}
+    for d in delta.outputs:
+        c = choices.get(d.index)
+        if c is None:
+            c = choices[d.index] = CompletionOutput(
+                index=d.index, logprobs=[] if d.logprobs is not None else None
+            )
+        c.text += d.text
+        c.token_ids.extend(d.token_ids)
+        if d.logprobs is not None and c.logprobs is not None:
+            c.logprobs.extend(d.logprobs)
+        c.cumulative_logprob = d.cumulative_logprob
+        c.finish_reason = d.finish_reason
+        c.stop_reason = d.stop_reason
+    total.outputs = [choices[i] for i in sorted(choices)]
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = delta.prompt_logprobs
+    total.finished = delta.finished
+    total.num_cached_tokens = delta.num_cached_tokens
+    total.num_generated_tokens = delta.num_generated_tokens
+    total.error = delta.error
+    return total

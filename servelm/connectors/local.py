@@ -1,0 +1,194 @@
+"""The local connector: the engine (and the embedding encoder) in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from servelm.connectors.base import ConnectorError, ContextLengthExceeded, ModelCard, ModelNotFound
+from servelm.engine.config import EngineConfig
+from servelm.engine.outputs import EmbeddingOutput, RequestOutput
+from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+
+class LocalConnector:
+    """Serve a decoder model and an optional embedding model from this process.
+
+    Construction is cheap; :meth:`load` loads the weights and starts the
+    engine thread (``health()`` is False until then).
+    """
+
+    def __init__(
+        self,
+        model: str | None,
+        embedding_model: str | None,
+        engine_config: EngineConfig | None = None,
+        served_model_name: str | None = None,
+    ):
+        self.model = model
+        self.embedding_model = embedding_model
+        self.engine_config = engine_config or EngineConfig()
+        self.served_model_name = served_model_name or model
+        self.engine = None  # AsyncLLMEngine once loaded
+        self.embedder = None  # EmbeddingEngine once loaded
+        self._embed_lock = threading.Lock()  # the encoder runs one batch at a time
+        self._loaded = False
+        self._created = int(time.time())
+
+    # -- lifecycle -----------------------------------------------------
+
+    def load(self, progress: Callable[[str], None] | None = None) -> None:
+        """Load the models and start the engine loop (blocking)."""
+        say = progress or logger.info
+        if self.model is not None:
+            from servelm.engine.async_engine import AsyncLLMEngine
+            from servelm.engine.llm_engine import LLMEngine
+
+            say(f"loading model {self.model} ...")
+            t0 = time.monotonic()
+            engine = LLMEngine(self.model, self.engine_config)
+            self.engine = AsyncLLMEngine(engine)
+            self.engine.start()
+            runner = engine.runner
+            say(
+                f"loaded {self.model} in {time.monotonic() - t0:.1f}s on {runner.device} ({runner.dtype}), "
+                f"context {engine.max_model_len} tokens, KV cache {runner.num_blocks * runner.block_size} tokens"
+            )
+        if self.embedding_model is not None:
+            from servelm.engine.embedding_engine import EmbeddingEngine
+
+            say(f"loading embedding model {self.embedding_model} ...")
+            t0 = time.monotonic()
+            self.embedder = EmbeddingEngine(self.embedding_model)
+            say(f"loaded {self.embedding_model} in {time.monotonic() - t0:.1f}s")
+        self._loaded = True
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    # -- lookup --------------------------------------------------------
+
+    def _llm(self, model: str):
+        if self.engine is None or model != self.served_model_name:
+            raise ModelNotFound(model)
+        return self.engine
+
+    def _embedder(self, model: str):
+        if self.embedder is None or model != self.embedding_model:
+            raise ModelNotFound(model)
+        return self.embedder
+
+    def _tokenizer_for(self, model: str):
+        if self.engine is not None and model == self.served_model_name:
+            return self.engine.engine.tokenizer
+        raise ModelNotFound(model)
+
+    # -- the protocol ----------------------------------------------------
+
+    async def models(self) -> list[ModelCard]:
+        cards = []
+        if self.engine is not None:
+            cards.append(
+                ModelCard(
+                    id=self.served_model_name,
+                    kind="generate",
+                    max_model_len=self.engine.engine.max_model_len,
+                    created=self._created,
+                    root=self.model,
+                )
+            )
+        if self.embedder is not None:
+            cards.append(
+                ModelCard(
+                    id=self.embedding_model,
+                    kind="embed",
+                    max_model_len=self.embedder.max_model_len,
+                    created=self._created,
+                    root=self.embedding_model,
+                )
+            )
+        return cards
+
+    async def health(self) -> bool:
+        if not self._loaded:
+            return False
+        return self.engine is None or self.engine.is_alive
+
+    async def generate(
+        self, model: str, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        from servelm.engine.llm_engine import InvalidPromptError, PromptTooLongError
+
+        engine = self._llm(model)
+        try:
+            stream = engine.generate(request_id, prompt, params)
+            first = await stream.__anext__()
+        except PromptTooLongError as exc:
+            raise ContextLengthExceeded(str(exc), param="prompt") from None
+        except SamplingParamsError as exc:
+            raise ConnectorError(str(exc), param=exc.param) from None
+        except InvalidPromptError as exc:
+            raise ConnectorError(str(exc), param="prompt") from None
+        try:
+            yield first
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    async def abort(self, model: str, request_id: str) -> None:
+        self._llm(model).abort(request_id)
+
+    async def embed(self, model: str, inputs: list[str] | list[list[int]]) -> list[EmbeddingOutput]:
+        embedder = self._embedder(model)
+
+        def run() -> list[EmbeddingOutput]:
+            with self._embed_lock:
+                return embedder.embed(inputs)
+
+        from servelm.engine.embedding_engine import InputTooLongError
+
+        try:
+            return await asyncio.to_thread(run)
+        except InputTooLongError as exc:
+            raise ContextLengthExceeded(str(exc), param="input") from None
+        except ValueError as exc:
+            raise ConnectorError(str(exc), param="input") from None
+
+    async def tokenize(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.embedder is not None and model == self.embedding_model:
+            return self.embedder.tokenize(text)
+        return self._tokenizer_for(model).encode(text, add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        tokenizer = self._tokenizer_for(model)
+        vocab = tokenizer.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ConnectorError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    async def apply_chat_template(
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        tokenizer = self._tokenizer_for(model)
+        from jinja2 import TemplateError
+
+        try:
+            return tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template, **kwargs
+            )
+        except (ValueError, TemplateError) as exc:
+            raise ConnectorError(str(exc), param="messages") from None

@@ -1,0 +1,154 @@
+"""The async engine: a background thread runs ``LLMEngine.step()`` in a loop.
+
+asyncio callers submit requests and aborts through a locked inbox; each step's
+outputs go back to the callers' event loops with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from servelm.engine.llm_engine import LLMEngine
+from servelm.engine.outputs import RequestOutput
+from servelm.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
+
+
+class AsyncLLMEngine:
+    """Serve many concurrent requests from asyncio on one engine thread."""
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.5):
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[tuple[str, list[int], str | None, SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.dead_error: BaseException | None = None
+
+    # -- lifecycle -----------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="servelm-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread; requests still running get an EngineDeadError."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    # -- requests ------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream delta outputs of one request; the last has ``finished=True``.
+
+        Validation errors (prompt too long, empty, ...) raise before the
+        first output. Leaving the loop early (or being cancelled) aborts the
+        request in the engine.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+        token_ids = self.engine.prepare_prompt(prompt, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._streams[request_id] = stream
+            self._inbox.append((request_id, token_ids, prompt if isinstance(prompt, str) else None, params))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; the engine frees its KV blocks before its next step."""
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    # -- the loop thread -----------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # noqa: BLE001 - anything that escapes kills the loop
+            logger.exception("engine loop died")
+            self.dead_error = exc
+        finally:
+            err = EngineDeadError(f"the engine stopped: {self.dead_error!r}" if self.dead_error else "the engine stopped")
+            with self._lock:
+                streams = list(self._streams.items())
+            for _rid, stream in streams:
+                stream.put(err)
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for request_id, token_ids, prompt, params in inbox:
+            try:
+                self.engine.add_request(request_id, prompt if prompt is not None else token_ids, params, token_ids)
+            except Exception as exc:  # noqa: BLE001 - reported to that request only
+                self._deliver(request_id, exc)
+        for request_id in aborts:
+            self.engine.abort_request(request_id)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)

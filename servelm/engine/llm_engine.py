@@ -1,0 +1,364 @@
+"""The synchronous serving engine: requests in, one ``step()`` at a time, outputs out.
+
+Not thread-safe: one thread calls ``add_request``/``abort_request``/``step``
+(the async engine's loop thread, or the offline ``LLM``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from itertools import count
+
+from servelm.engine.block_manager import BlockManager
+from servelm.engine.config import EngineConfig
+from servelm.engine.detokenizer import IncrementalDetokenizer
+from servelm.engine.model_runner import ModelRunner, StepResult
+from servelm.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from servelm.engine.sampler import SamplingState, make_generator
+from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
+from servelm.engine.scheduler import Scheduler
+from servelm.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt plus the requested completion exceed the model's context."""
+
+    def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int | None):
+        self.max_model_len = max_model_len
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        if max_tokens is None:
+            msg = (
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                f"has {prompt_tokens} tokens, which leaves no room for a completion. Please reduce the "
+                f"length of the prompt."
+            )
+        else:
+            msg = (
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
+                f"completion). Please reduce the length of the prompt or the completion."
+            )
+        super().__init__(msg)
+
+
+class InvalidPromptError(ValueError):
+    """A prompt the engine cannot run (empty, token ids outside the vocabulary, larger than the KV cache)."""
+
+
+@dataclass
+class _SeqState:
+    """One choice of a request: its sequence, detokenizer and output so far."""
+
+    seq: Sequence
+    output: CompletionOutput
+    detok: IncrementalDetokenizer
+    sampling: SamplingState
+    # How much of ``output`` has been handed out already (delta mode).
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_logprobs: int = 0
+    finish_sent: bool = False
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choices: list[_SeqState]
+    arrival_time: float
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None
+    finished_sent: bool = field(default=False)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.output.finished for c in self.choices)
+
+    @property
+    def streams(self) -> bool:
+        # best_of > n picks the winners at the end: nothing can be sent before.
+        return self.params.best_of == self.params.n
+
+
+class LLMEngine:
+    """Continuous-batching engine over one decoder model.
+
+    ``step()`` schedules, runs the model once and returns one delta
+    :class:`RequestOutput` per request that progressed.
+    """
+
+    def __init__(self, model: str, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.runner = ModelRunner(model, self.config)
+        self.tokenizer = self.runner.tokenizer
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.requests: dict[str, _Request] = {}
+        self._seqs: dict[int, _SeqState] = {}
+        self._seq_ids = count()
+        self._token_text: dict[int, str] = {}
+
+    # -- admission -----------------------------------------------------
+
+    def prepare_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Tokenize and validate a prompt against the context and the KV cache.
+
+        Pure with respect to engine state, so the async engine can call it
+        from the event loop and report errors before queueing.
+        """
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            token_ids = list(prompt)
+            vocab = self.runner.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidPromptError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if not token_ids:
+            raise InvalidPromptError("the prompt is empty")
+        n = len(token_ids)
+        if n >= self.max_model_len or (params.max_tokens is not None and n + params.max_tokens > self.max_model_len):
+            raise PromptTooLongError(self.max_model_len, n, params.max_tokens)
+        max_tokens = self._max_tokens(n, params)
+        if not self.scheduler.can_ever_fit(n + max_tokens):
+            capacity = self.block_manager.num_blocks * self.config.block_size
+            raise InvalidPromptError(
+                f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) can never fit in the KV cache "
+                f"({capacity} tokens); lower max_tokens or give the server more kv_cache_memory"
+            )
+        return token_ids
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.max_model_len - prompt_len
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; its ``best_of`` sequences start at the next step."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if prompt_token_ids is None:
+            prompt_token_ids = self.prepare_prompt(prompt, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        max_tokens = self._max_tokens(len(prompt_token_ids), params)
+        req = _Request(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            choices=[],
+            arrival_time=arrival,
+        )
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(prompt_token_ids)
+        eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        for index in range(params.best_of):
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                token_ids=list(prompt_token_ids),
+                num_prompt_tokens=len(prompt_token_ids),
+                max_tokens=max_tokens,
+                arrival_time=arrival,
+            )
+            if params.prompt_logprobs is not None and index == 0:
+                # Cached prompt blocks are never recomputed, so their logprobs
+                # would be missing: this sequence computes its whole prompt.
+                seq.use_prefix_cache = False
+            output = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
+            seed = None if params.seed is None else params.seed + index
+            sampling = SamplingState(
+                params=params,
+                prompt_token_ids=prompt_token_ids,
+                output_token_ids=output.token_ids,
+                generator=make_generator(seed, self.runner.device),
+                eos_token_ids=eos,
+            )
+            detok = IncrementalDetokenizer(self.tokenizer.hf, prompt_token_ids, params)
+            state = _SeqState(seq=seq, output=output, detok=detok, sampling=sampling)
+            req.choices.append(state)
+            self._seqs[seq.seq_id] = state
+        self.requests[request_id] = req
+        for state in req.choices:
+            self.scheduler.add(state.seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request; its KV blocks are freed at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.abort(request_id)
+        for state in req.choices:
+            self._seqs.pop(state.seq.seq_id, None)
+
+    def fail_requests(self, request_ids: list[str], message: str) -> list[RequestOutput]:
+        """End requests with an error (e.g. their step raised); returns their final outputs."""
+        outputs = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            req.error = message
+            for state in req.choices:
+                if not state.output.finished:
+                    state.output.finish_reason = "error"
+            outputs.append(self._make_output(req))
+            self.abort_request(rid)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return outputs of requests that progressed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        scheduled = out.prefills + out.decodes
+        sampling = {s.seq.seq_id: self._seqs[s.seq.seq_id].sampling for s in scheduled if s.samples}
+        want_prompt_logprobs = {}
+        for s in out.prefills:
+            req = self.requests[s.seq.request_id]
+            if req.prompt_logprobs is not None and s.seq is req.choices[0].seq:
+                want_prompt_logprobs[s.seq.seq_id] = req.params.prompt_logprobs
+        try:
+            result = self.runner.execute(out, sampling, want_prompt_logprobs)
+        except Exception as exc:  # a failing step fails its requests, not the engine
+            logger.exception("engine step failed")
+            ids = list(dict.fromkeys(s.seq.request_id for s in scheduled))
+            return self.fail_requests(ids, f"engine step failed: {type(exc).__name__}: {exc}")
+        self.scheduler.postprocess(out)
+        touched = self._apply(result, scheduled)
+        outputs = []
+        for rid in touched:
+            req = self.requests[rid]
+            if req.finished or req.streams:
+                outputs.append(self._make_output(req))
+            if req.finished:
+                del self.requests[rid]
+                for state in req.choices:
+                    self._seqs.pop(state.seq.seq_id, None)
+        return outputs
+
+    def _apply(self, result: StepResult, scheduled) -> list[str]:
+        touched: dict[str, None] = {}
+        for seq_id, positions in result.prompt_logprobs.items():
+            state = self._seqs[seq_id]
+            req = self.requests[state.seq.request_id]
+            for pos, logprob, top in positions:
+                req.prompt_logprobs[pos] = self._position_logprobs(req.prompt_token_ids[pos], logprob, top)
+        for s in scheduled:
+            if s.samples and s.seq.num_generated_tokens == 0:
+                req = self.requests[s.seq.request_id]
+                req.num_cached_tokens = max(req.num_cached_tokens, s.seq.num_cached_tokens)
+        for seq_id, (token_id, logprob, top) in result.sampled.items():
+            state = self._seqs[seq_id]
+            self._append_token(state, token_id, logprob, top)
+            touched[state.seq.request_id] = None
+        return list(touched)
+
+    def _append_token(self, state: _SeqState, token_id: int, logprob: float, top) -> None:
+        seq, out, params = state.seq, state.output, state.sampling.params
+        seq.append_token(token_id)
+        out.token_ids.append(token_id)
+        out.cumulative_logprob += logprob
+        if out.logprobs is not None:
+            out.logprobs.append(self._position_logprobs(token_id, logprob, top or []))
+        if token_id in params.stop_token_ids:
+            self._finish(state, "stop", token_id)
+        elif not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+            self._finish(state, "stop", None)
+        else:
+            text, stop = state.detok.add_token(token_id)
+            out.text += text
+            if stop is not None:
+                self._finish(state, "stop", stop, flush=False)
+        if not out.finished and (seq.num_generated_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+            self._finish(state, "length", None)
+
+    def _finish(self, state: _SeqState, reason: str, stop_reason, flush: bool = True) -> None:
+        if flush:
+            state.output.text += state.detok.flush()
+        state.output.finish_reason = reason
+        state.output.stop_reason = stop_reason
+        self.scheduler.finish(state.seq)
+
+    # -- outputs -------------------------------------------------------
+
+    def _token_str(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def _position_logprobs(self, token_id: int, logprob: float, top) -> PositionLogprobs:
+        return PositionLogprobs(
+            chosen=TokenLogprob(token_id, logprob, self._token_str(token_id)),
+            top=[TokenLogprob(t, lp, self._token_str(t)) for t, lp in top],
+        )
+
+    def _make_output(self, req: _Request) -> RequestOutput:
+        """A delta output: what changed since the last one for this request."""
+        if req.streams:
+            choices = req.choices
+        else:
+            best = sorted(req.choices, key=lambda c: c.output.cumulative_logprob, reverse=True)[: req.params.n]
+            choices = best
+        deltas = []
+        for new_index, state in enumerate(choices):
+            out = state.output
+            if state.finish_sent:
+                continue
+            delta = CompletionOutput(
+                index=new_index if not req.streams else out.index,
+                text=out.text[state.sent_text :],
+                token_ids=out.token_ids[state.sent_tokens :],
+                logprobs=out.logprobs[state.sent_logprobs :] if out.logprobs is not None else None,
+                cumulative_logprob=out.cumulative_logprob,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
+            if not delta.token_ids and not delta.text and delta.finish_reason is None:
+                continue
+            state.sent_text = len(out.text)
+            state.sent_tokens = len(out.token_ids)
+            state.sent_logprobs = len(out.logprobs) if out.logprobs is not None else 0
+            state.finish_sent = out.finished
+            deltas.append(delta)
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt_logprobs = req.prompt_logprobs
+            req.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=deltas,
+            finished=req.finished or req.error is not None,
+            delta=True,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=req.num_cached_tokens,
+            num_generated_tokens=sum(len(c.output.token_ids) for c in req.choices),
+            error=req.error,
+        )

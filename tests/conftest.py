@@ -1,0 +1,40 @@
+"""Shared fixtures. Tests never reach for a model hub."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    """The bundled SmolLM2 GGUF file."""
+    from servelm.models.registry import resolve_model_path
+
+    return resolve_model_path(MODEL)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """transformers' own implementation of the bundled model: the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
+    model.eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One engine on the bundled model, shared by tests that don't need special limits."""
+    from servelm import LLM
+
+    return LLM(MODEL, dtype="float32", device="cpu", kv_cache_memory=256 << 20)
