@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -30,3 +31,117 @@ class AttentionMetadata:
     num_prefill_tokens: int  # tokens [0, num_prefill_tokens) belong to prefills
     # Decode part, precomputed once per step so every layer reuses it:
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64 on the device
+
+
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    # kv_cache[i] of a contiguous cache is contiguous, so the flat view aliases the cache.
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the first ``max_len`` tokens of each block table.
+
+    Two ``[num_seqs, max_len, kv_heads, head_dim]`` copies; positions past a
+    sequence's own length hold whatever its padding blocks hold.
+    """
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :num_blocks]
+    shape = (tables.shape[0], num_blocks * block_size, *kv_cache.shape[-2:])
+    keys = kv_cache[0][tables].view(shape)[:, :max_len]
+    values = kv_cache[1][tables].view(shape)[:, :max_len]
+    return keys, values
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one flattened batch over the paged cache.
+
+    ``query`` is ``[num_tokens, num_heads, head_dim]``; ``key``/``value`` are this
+    step's ``[num_tokens, num_kv_heads, head_dim]``, written into ``kv_cache``
+    first. Returns ``[num_tokens, num_heads, head_dim]``.
+    """
+    write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+    out = torch.empty_like(query)
+    start = 0
+    for i in range(meta.num_prefills):
+        query_len, context_len = meta.query_lens[i], meta.context_lens[i]
+        end = start + query_len
+        if query_len == context_len:
+            # Nothing cached before this chunk: attend to the fresh K/V, plain causal.
+            out[start:end] = _causal_attention(query[start:end], key[start:end], value[start:end], scale)
+        else:
+            keys, values = gather_kv(kv_cache, meta.block_tables[i : i + 1], context_len)
+            out[start:end] = _prefix_attention(query[start:end], keys[0], values[0], context_len, scale)
+        start = end
+    if meta.num_prefill_tokens < query.shape[0]:
+        out[meta.num_prefill_tokens :] = _decode_attention(query[meta.num_prefill_tokens :], kv_cache, meta, scale)
+    return out
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of one sequence; ``[len, heads, dim]`` in and out."""
+    # 4-D inputs: the fused CUDA kernels (flash, which also takes enable_gqa) want a batch axis.
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+def _prefix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float
+) -> torch.Tensor:
+    """A chunk of queries at the end of a ``context_len`` context, each seeing keys up to its own position."""
+    query_len = q.shape[0]
+    query_pos = torch.arange(context_len - query_len, context_len, device=q.device)
+    key_pos = torch.arange(context_len, device=q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, context_len]
+    return _grouped_attention(q[None], k[None], v[None], mask[None], scale)[0]
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query token per decode sequence, all sequences in one SDPA call."""
+    context_lens = meta.decode_context_lens
+    if context_lens is None:
+        context_lens = torch.tensor(meta.context_lens[meta.num_prefills :], device=q.device)
+    # max() of the Python list avoids a device sync on the tensor.
+    max_len = max(meta.context_lens[meta.num_prefills :])
+    keys, values = gather_kv(kv_cache, meta.block_tables[meta.num_prefills :], max_len)
+    mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]  # [num_decodes, max_len]
+    return _grouped_attention(q[:, None], keys, values, mask[:, None], scale)[:, 0]
+
+
+def _grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Masked GQA without copying K/V per query head.
+
+    q ``[batch, q_len, heads, dim]``, k/v ``[batch, kv_len, kv_heads, dim]``,
+    mask ``[batch, q_len, kv_len]`` (True attends). The query heads that share a
+    KV head are folded into the query-length axis, so SDPA runs as plain
+    multi-head attention over ``kv_heads`` (memory-efficient kernels on CUDA
+    take a mask but not ``enable_gqa``).
+    """
+    batch, q_len, num_heads, dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    # Head h reads KV head h // group, as in HF's repeat_kv.
+    q = q.reshape(batch, q_len, num_kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(batch, num_kv_heads, group * q_len, dim)
+    mask = mask[:, None].expand(batch, group, q_len, mask.shape[-1]).reshape(batch, 1, group * q_len, mask.shape[-1])
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    return out.view(batch, num_kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, dim)

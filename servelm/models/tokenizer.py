@@ -1,0 +1,123 @@
+"""The tokenizer of a model: a HF fast tokenizer plus what the engine needs from it."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+# Tokenizer lengths above this are transformers' "no limit" placeholder, not a real context size.
+_UNSET_MAX_LENGTH = 10**12
+
+
+class Tokenizer:
+    """Wraps a ``PreTrainedTokenizerFast``; ``hf`` is the wrapped one (the detokenizer uses it).
+
+    ``eos_token_ids`` gathers every id that ends generation: the model config's,
+    generation_config.json's and the tokenizer's own eos.
+    """
+
+    def __init__(
+        self,
+        hf: Any,
+        eos_token_ids: Iterable[int] = (),
+        max_model_len: int | None = None,
+        name: str = "model",
+    ) -> None:
+        self.hf = hf
+        self.name = name
+        eos = set(int(i) for i in eos_token_ids)
+        if hf.eos_token_id is not None:
+            eos.add(int(hf.eos_token_id))
+        self.eos_token_ids: set[int] = eos
+        self.bos_token_id: int | None = hf.bos_token_id
+        self.pad_token_id: int | None = hf.pad_token_id
+        self.vocab_size: int = len(hf)
+        template = hf.chat_template
+        if isinstance(template, dict):  # several named templates: the default one serves chat
+            template = template.get("default")
+        self.chat_template: str | None = template or None
+        if max_model_len is None and hf.model_max_length < _UNSET_MAX_LENGTH:
+            max_model_len = int(hf.model_max_length)
+        self.max_model_len: int | None = max_model_len
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token strings in it become their ids."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``."""
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """Vocabulary strings (byte-level pieces, not text) of ``ids``."""
+        return self.hf.convert_ids_to_tokens(ids)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render ``messages`` to a prompt string, as transformers' ``apply_chat_template(tokenize=False)``.
+
+        ``chat_template`` overrides the model's; extra kwargs (``tools``,
+        ``documents``, template variables) go to the template.
+        """
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError(
+                f"{self.name} has no chat template; pass one (chat_template=...) or use the completions API"
+            )
+        return self.hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=template,
+            **kwargs,
+        )
+
+
+def load_tokenizer(
+    path: str | os.PathLike[str],
+    eos_token_ids: Iterable[int] = (),
+    max_model_len: int | None = None,
+) -> Tokenizer:
+    """Load from a HF folder (tokenizer.json, ...) or a .gguf file, never from the network."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        # The fast class straight away: AutoTokenizer would first parse the whole file
+        # to pick a class (seconds), while the backend it builds is the same either way.
+        hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        return Tokenizer(hf, eos_token_ids, max_model_len, name=path.name)
+    hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not hf.chat_template:
+        hf.chat_template = _read_chat_template(path)
+    eos = set(eos_token_ids) | _generation_eos(path)
+    return Tokenizer(hf, eos, max_model_len, name=path.name)
+
+
+def _read_chat_template(folder: Path) -> str | None:
+    """A template transformers did not pick up: chat_template.jinja or chat_template.json."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    as_json = folder / "chat_template.json"
+    if as_json.is_file():
+        return json.loads(as_json.read_text()).get("chat_template")
+    return None
+
+
+def _generation_eos(folder: Path) -> set[int]:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return set()
+    value = json.loads(path.read_text()).get("eos_token_id")
+    if value is None:
+        return set()
+    return {value} if isinstance(value, int) else set(value)

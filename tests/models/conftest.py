@@ -1,0 +1,90 @@
+"""Fixtures for the model tests: the bundled model, and a tiny paged runner to drive any model.
+
+``model_path`` and ``hf_model`` (transformers' reference) come from tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from servelm.models.attention import AttentionMetadata
+
+
+class PagedRunner:
+    """Drives a model step by step over a paged KV cache, as the engine would, with shuffled blocks."""
+
+    def __init__(self, model, config, block_size: int = 4, num_blocks: int = 128, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        # Hand blocks out in random order, so contiguous-block assumptions would show.
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[str, list[int]] = {}
+        self.lens: dict[str, int] = {}
+
+    def step(self, prefills: list[tuple[str, list[int]]], decodes: list[tuple[str, int]] = ()) -> list[torch.Tensor]:
+        """Run one batch; returns float32 logits per sequence, ``[new_tokens, vocab]`` each."""
+        work = list(prefills) + [(seq, [token]) for seq, token in decodes]
+        input_ids, positions, slots, query_lens, context_lens = [], [], [], [], []
+        for seq, ids in work:
+            start = self.lens.get(seq, 0)
+            table = self.tables.setdefault(seq, [])
+            end = start + len(ids)
+            while len(table) * self.block_size < end:
+                table.append(self.free.pop())
+            input_ids += ids
+            positions += range(start, end)
+            slots += [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+            query_lens.append(len(ids))
+            context_lens.append(end)
+            self.lens[seq] = end
+        width = max(len(self.tables[seq]) for seq, _ in work)
+        tables = [self.tables[seq] + [0] * (width - len(self.tables[seq])) for seq, _ in work]
+        device = self.kv_caches[0].device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=device),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=torch.tensor(tables, device=device),
+            num_prefills=len(prefills),
+            num_prefill_tokens=sum(len(ids) for _, ids in prefills),
+            decode_context_lens=torch.tensor(context_lens[len(prefills) :], device=device),
+        )
+        with torch.inference_mode():
+            hidden = self.model(
+                torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), self.kv_caches, meta
+            )
+            logits = self.model.compute_logits(hidden)
+        return list(logits.split(query_lens))
+
+
+@pytest.fixture(scope="session")
+def paged_runner():
+    """The ``PagedRunner`` class."""
+    return PagedRunner
+
+
+@pytest.fixture(scope="session")
+def smollm(model_path):
+    """(model, config, tokenizer) of the bundled model, float32 on the CPU, loaded once per session."""
+    from servelm.models.loader import load_model
+
+    return load_model("smollm2-135m-instruct", torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory, model_path) -> Path:
+    """A HF tokenizer folder (tokenizer.json, tokenizer_config.json, chat template) saved from the bundled GGUF."""
+    from servelm.models.tokenizer import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(model_path).hf.save_pretrained(folder)
+    return folder

@@ -1,0 +1,123 @@
+"""Paged attention against a dense per-sequence reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from servelm.models.attention import AttentionMetadata, paged_attention
+
+
+def dense_reference(q, k, v, scale):
+    """q ``[q_len, H, D]`` at the end of a context whose full K/V are ``[ctx, KVH, D]``."""
+    q_len, num_heads, _ = q.shape
+    ctx = k.shape[0]
+    group = num_heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).double()
+    v = v.repeat_interleave(group, dim=1).double()
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    query_pos = torch.arange(ctx - q_len, ctx)[:, None]
+    scores = scores.masked_fill(torch.arange(ctx)[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
+
+
+@dataclass
+class Case:
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    cache: torch.Tensor
+    meta: AttentionMetadata
+    expected: torch.Tensor
+    scale: float
+
+    def run(self) -> torch.Tensor:
+        return paged_attention(self.query, self.key, self.value, self.cache, self.meta, self.scale)
+
+
+def make_case(prefills, decodes, num_heads, num_kv_heads, head_dim=16, block_size=4, seed=0, precompute=True):
+    """``prefills``: (context_len, query_len) per prefill; ``decodes``: context_len per decode."""
+    seqs = list(prefills) + [(ctx, 1) for ctx in decodes]
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-ctx // block_size) for ctx, _ in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    # Random, disjoint block tables, so a wrong table lookup reads another sequence's data.
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [order[sum(blocks_per_seq[:i]) : sum(blocks_per_seq[: i + 1])] for i in range(len(seqs))]
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    flat_cache = cache.view(2, -1, num_kv_heads, head_dim)
+    scale = head_dim**-0.5
+
+    qs, ks, vs, slots, expected = [], [], [], [], []
+    for (ctx, q_len), table in zip(seqs, tables):
+        full_k = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
+        full_v = torch.randn(ctx, num_kv_heads, head_dim, generator=gen)
+        seq_slots = torch.tensor([table[t // block_size] * block_size + t % block_size for t in range(ctx)])
+        # The prefix is already cached (earlier chunks / prefix cache); the last q_len tokens are this step's.
+        cached = ctx - q_len
+        flat_cache[0, seq_slots[:cached]] = full_k[:cached]
+        flat_cache[1, seq_slots[:cached]] = full_v[:cached]
+        q = torch.randn(q_len, num_heads, head_dim, generator=gen)
+        qs.append(q)
+        ks.append(full_k[cached:])
+        vs.append(full_v[cached:])
+        slots.append(seq_slots[cached:])
+        expected.append(dense_reference(q, full_k, full_v, scale))
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        query_lens=[q_len for _, q_len in seqs],
+        context_lens=[ctx for ctx, _ in seqs],
+        block_tables=block_tables,
+        num_prefills=len(prefills),
+        num_prefill_tokens=sum(q_len for _, q_len in prefills),
+        decode_context_lens=torch.tensor(list(decodes)) if precompute and decodes else None,
+    )
+    return Case(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, torch.cat(expected), scale)
+
+
+CASES = {
+    "fresh prefill": ([(7, 7)], []),
+    "chunked prefill": ([(13, 5)], []),
+    "fresh and chunked prefills": ([(9, 9), (20, 3), (4, 4)], []),
+    "decodes only": ([], [5, 17, 1, 8]),
+    "mixed prefill and decode": ([(6, 6), (11, 4)], [3, 16, 9]),
+    "one-token chunk then decodes": ([(10, 1)], [2, 12]),
+}
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("name", CASES)
+def test_matches_dense_reference(name, num_heads, num_kv_heads):
+    case = make_case(*CASES[name], num_heads, num_kv_heads)
+    torch.testing.assert_close(case.run(), case.expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_lengths_computed_when_not_precomputed():
+    case = make_case([(5, 5)], [12, 7], 4, 2, precompute=False)
+    torch.testing.assert_close(case.run(), case.expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+def test_block_sizes(block_size):
+    case = make_case([(19, 6)], [33, 2], 4, 2, block_size=block_size, seed=3)
+    torch.testing.assert_close(case.run(), case.expected, atol=1e-5, rtol=1e-5)
+
+
+def test_new_kv_written_at_slots():
+    case = make_case([(9, 4)], [6], 4, 2)
+    case.run()
+    flat = case.cache.view(2, -1, *case.cache.shape[-2:])
+    torch.testing.assert_close(flat[0, case.meta.slot_mapping], case.key)
+    torch.testing.assert_close(flat[1, case.meta.slot_mapping], case.value)
+
+
+def test_swapped_block_tables_change_the_result():
+    """Guards the reference test itself: reading the wrong blocks must not pass."""
+    case = make_case([(12, 2)], [12], 4, 2, seed=5)
+    case.meta.block_tables = case.meta.block_tables.flip(0)
+    assert not torch.allclose(case.run(), case.expected, atol=1e-3)

@@ -1,0 +1,100 @@
+"""The tokenizer wrapper, on the bundled GGUF's tokenizer and on a HF tokenizer folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from servelm.models.tokenizer import Tokenizer, load_tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces, tabs\tand\nnewlines  ",
+    "café, naïve, 日本語, emoji 😀",
+    "<|im_start|>user\nhi<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer(model_path) -> Tokenizer:
+    return load_tokenizer(model_path, eos_token_ids=[2], max_model_len=8192)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(gguf_tokenizer, text):
+    ids = gguf_tokenizer.encode(text)
+    assert gguf_tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.model
+def test_same_ids_as_transformers_auto_tokenizer(gguf_tokenizer, hf_model):
+    """We skip AutoTokenizer for GGUF files (it is slow); the result must not differ."""
+    _, reference = hf_model
+    for text in TEXTS:
+        assert gguf_tokenizer.encode(text) == reference.encode(text)
+
+
+def test_special_tokens_and_sizes(gguf_tokenizer):
+    tok = gguf_tokenizer
+    assert tok.eos_token_ids == {2}
+    assert tok.convert_ids_to_tokens([2]) == ["<|im_end|>"]
+    assert tok.bos_token_id == 1
+    assert tok.pad_token_id == 2
+    assert tok.vocab_size == 49152
+    assert tok.max_model_len == 8192
+    # SmolLM2 adds no BOS; special-token text maps to its id.
+    assert tok.encode("<|im_start|>") == [1]
+    assert tok.decode([1, *tok.encode("hi"), 2]) == "hi"
+
+
+def test_chatml_template(gguf_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    prompt = gguf_tokenizer.apply_chat_template(messages)
+    assert prompt == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    )
+    no_prompt = gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    assert no_prompt.endswith("Hi there<|im_end|>\n")
+
+
+def test_template_override(gguf_tokenizer):
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{{ suffix }}"
+    out = gguf_tokenizer.apply_chat_template([{"role": "user", "content": "x"}], chat_template=template, suffix="!")
+    assert out == "[user] x\n!"
+
+
+def test_hf_folder_tokenizer(tokenizer_dir, tmp_path):
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    tok = load_tokenizer(tmp_path, eos_token_ids=[7])
+    assert tok.eos_token_ids == {0, 2, 7}
+    assert tok.chat_template is not None
+    assert tok.apply_chat_template([{"role": "user", "content": "a"}]).endswith("<|im_start|>assistant\n")
+    assert tok.decode(tok.encode("round trip")) == "round trip"
+
+
+def test_template_from_jinja_file(tokenizer_dir, tmp_path):
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}|jinja")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(tmp_path)
+    assert tok.apply_chat_template([{"role": "user", "content": "q"}]) == "q|jinja"
+
+
+def test_no_template_is_a_clear_error(tokenizer_dir, tmp_path):
+    for f in tokenizer_dir.iterdir():
+        if f.name != "chat_template.jinja":
+            shutil.copy(f, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(tmp_path)
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "q"}])
