@@ -82,7 +82,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config, self.tokenizer = load_model(model, self.dtype, self.device)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)

@@ -51,8 +51,11 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) 
     num_blocks = -(-max_len // block_size)
     tables = block_tables[:, :num_blocks]
     shape = (tables.shape[0], num_blocks * block_size, *kv_cache.shape[-2:])
-    keys = kv_cache[0][tables].view(shape)[:, :max_len]
-    values = kv_cache[1][tables].view(shape)[:, :max_len]
+    # index_select over the flat block axis is a plain row copy, faster on CPU
+    # than advanced indexing with a 2-D index.
+    flat = tables.reshape(-1)
+    keys = kv_cache[0].index_select(0, flat).view(shape)[:, :max_len]
+    values = kv_cache[1].index_select(0, flat).view(shape)[:, :max_len]
     return keys, values
 
 
