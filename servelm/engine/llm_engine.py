@@ -132,7 +132,7 @@ class LLMEngine:
         if n >= self.max_model_len or (params.max_tokens is not None and n + params.max_tokens > self.max_model_len):
             raise PromptTooLongError(self.max_model_len, n, params.max_tokens)
         max_tokens = self._max_tokens(n, params)
-        if not self.scheduler.can_ever_fit(n + max_tokens):
+        if max_tokens < 1 or not self.scheduler.can_ever_fit(n + max_tokens):
             capacity = self.block_manager.num_blocks * self.config.block_size
             raise InvalidPromptError(
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) can never fit in the KV cache "
@@ -141,8 +141,15 @@ class LLMEngine:
         return token_ids
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        room = self.max_model_len - prompt_len
-        return room if params.max_tokens is None else min(params.max_tokens, room)
+        """The generation cap: the client's max_tokens, or else all the room left.
+
+        Without a max_tokens the room is bounded by the KV cache as well as
+        the context, so a small cache does not refuse requests that name none.
+        """
+        if params.max_tokens is not None:
+            return min(params.max_tokens, self.max_model_len - prompt_len)
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        return min(self.max_model_len, capacity) - prompt_len
 
     def add_request(
         self,

@@ -161,3 +161,16 @@ def test_abort_frees_all_blocks(llm):
     engine.abort_request("b")
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.usage == 0
+
+
+def test_default_max_tokens_fits_a_cache_smaller_than_the_context():
+    small = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=2 << 20)
+    capacity = small.engine.block_manager.num_blocks * small.engine.config.block_size
+    assert capacity < small.engine.max_model_len
+    # No max_tokens: the request is admitted and stops at EOS or at what the cache can hold.
+    out = small.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=None, stop=["."]))[0]
+    assert out.outputs[0].finish_reason in ("stop", "length")
+    from servelm.engine.llm_engine import InvalidPromptError
+
+    with pytest.raises(InvalidPromptError, match="can never fit in the KV cache"):
+        small.generate(["Hi"], SamplingParams(max_tokens=capacity + 10))

@@ -1,0 +1,101 @@
+"""End-to-end fixtures: a real ``servelm serve`` process on the bundled models.
+
+The server runs as a subprocess on 127.0.0.1 and a free port. Only the process
+started here is ever stopped, by its own handle (terminate, then kill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+import pytest
+
+CHAT_MODEL = "smollm2-135m-instruct"
+EMBEDDING_MODEL = "all-minilm-l6-v2"
+KV_CACHE_BYTES = 256 << 20
+STARTUP_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 15.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, limit: int = 4000) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return text[-limit:]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the one server process started here, and only it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def running_server(extra_args: Sequence[str] = ()) -> Iterator[str]:
+    """Start ``servelm serve`` with ``extra_args``, wait until ``/health`` is 200, yield its base URL."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "servelm", "serve",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--kv-cache-memory", str(KV_CACHE_BYTES),
+        "--log-level", "warning",
+        *extra_args,
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="servelm-e2e-") as tmp:
+        stderr_path = Path(tmp) / "stderr.log"
+        # Files, not pipes: a pipe nobody reads would fill up and block the server.
+        with open(stderr_path, "wb") as stderr, open(Path(tmp) / "stdout.log", "wb") as stdout:
+            proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env)
+            try:
+                deadline = time.monotonic() + STARTUP_TIMEOUT_S
+                while True:
+                    if proc.poll() is not None:
+                        pytest.fail(
+                            f"servelm serve exited with status {proc.returncode} before it was ready:\n"
+                            f"{_tail(stderr_path)}"
+                        )
+                    try:
+                        if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline:
+                        pytest.fail(
+                            f"servelm serve was not ready within {STARTUP_TIMEOUT_S:.0f}s:\n{_tail(stderr_path)}"
+                        )
+                    time.sleep(0.5)
+                yield url
+            finally:
+                _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    """Base URL of a ``servelm serve`` on both bundled models (default settings otherwise)."""
+    with running_server(["--model", CHAT_MODEL, "--embedding-model", EMBEDDING_MODEL]) as url:
+        yield url
