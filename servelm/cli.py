@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import httpx
 import uvicorn
 from pydantic import ValidationError
+from uvicorn.config import LOGGING_CONFIG
 
 from servelm.settings import ENV_PREFIX, Settings, SettingsError, unknown_env_vars
 
@@ -40,7 +41,17 @@ def _flag_names() -> dict[str, str]:
         "cors_origins": "--cors-origin",
         "enable_prefix_caching": "--[no-]prefix-caching",
         "metrics_require_auth": "--[no-]metrics-require-auth",
+        "rate_limits": "--rate-limit-rpm",
+        "rate_limits.default.requests_per_minute": "--rate-limit-rpm",
+        "rate_limits.default.tokens_per_minute": "--rate-limit-tpm",
     }
+
+
+# Flags that set one field of a nested setting: flag dest -> path in Settings.
+_NESTED_FLAGS = {
+    "rate_limit_rpm": ("rate_limits", "default", "requests_per_minute"),
+    "rate_limit_tpm": ("rate_limits", "default", "tokens_per_minute"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cors-origin", dest="cors_origins", metavar="ORIGIN", action="append", help="allow browser requests from ORIGIN, or '*' (repeatable) (default: CORS off)")
     g.add_argument("--max-body-bytes", metavar="N", help=f"largest request body accepted, larger gets 413 (default: {d('max_body_bytes')})")
     g.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], help=f"server log level (default: {d('log_level')})")
+    g.add_argument("--log-format", choices=["text", "json"], help=f"log lines as text or as one JSON object each; access lines (logger servelm.access) carry request id, route, status, tokens, TTFT and total time (default: {d('log_format')})")
+    g = serve.add_argument_group("rate limits", "Per API key (per client address when no keys are set), on /v1/chat/completions, /v1/completions and /v1/embeddings; per-key overrides go in the config file (rate_limits.keys). Off by default.")
+    g.add_argument("--rate-limit-rpm", metavar="N", help="requests per minute for each client (default: unlimited)")
+    g.add_argument("--rate-limit-tpm", metavar="N", help="tokens per minute for each client: prompt plus max_tokens reserved, corrected to actual use (default: unlimited)")
+    g.add_argument("--rate-limit-storage", metavar="URI", help=f"where the counters live: memory:// (this process) or a shared store such as redis://HOST:6379 (needs limits[async-redis]) (default: {d('rate_limit_storage')})")
 
     chat = sub.add_parser(
         "chat",
@@ -115,6 +131,14 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     Exits with status 2 (via ``parser.error``) naming the bad setting.
     """
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "command_parser")}
+    for dest, path in _NESTED_FLAGS.items():
+        if dest in flags:
+            # pydantic-settings merges nested dicts across sources, so the
+            # config file's other rate_limits entries survive this flag.
+            node = flags.setdefault(path[0], {})
+            for part in path[1:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = flags.pop(dest)
     unknown = unknown_env_vars()
     if unknown:
         parser.error(f"unknown environment variable(s) {', '.join(unknown)}: no such setting")
@@ -133,7 +157,7 @@ def describe_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = [str(p) for p in err.get("loc", ()) if isinstance(p, str)]
-        name = loc[0] if loc else ""
+        name = ".".join(loc)  # nested settings: rate_limits.default.requests_per_minute
         if err.get("type") == "extra_forbidden":
             lines.append(f"unknown setting '{name}' (in the config file)")
             continue
@@ -141,10 +165,14 @@ def describe_validation_error(exc: ValidationError) -> str:
         if not name:
             lines.append(message.removeprefix("Value error, "))
             continue
-        flag = flags.get(name, "--" + name.replace("_", "-"))
+        top = loc[0]
+        if len(loc) > 1 and name not in flags:
+            flag = "config file"  # a nested field no flag sets (rate_limits.keys...)
+        else:
+            flag = flags.get(name) or flags.get(top) or "--" + top.replace("_", "-")
         got = err.get("input")
         lines.append(
-            f"invalid setting '{name}' ({flag} / {ENV_PREFIX}{name.upper()}): "
+            f"invalid setting '{name}' ({flag} / {ENV_PREFIX}{top.upper()}): "
             f"{message.removeprefix('Value error, ')} (got {got!r})"
         )
     return "; ".join(lines)
@@ -172,6 +200,10 @@ class ServelmServer:
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
+            # servelm's own access log (logger servelm.access) replaces uvicorn's,
+            # and in JSON mode uvicorn's lines go through the same JSON handler.
+            access_log=False,
+            log_config=None if settings.log_format == "json" else LOGGING_CONFIG,
             timeout_graceful_shutdown=10,
         )
         self.server = _ReadyServer(self.config, (lambda: on_ready(self.url)) if on_ready is not None else None)
@@ -196,7 +228,9 @@ class ServelmServer:
 
 def serve(settings: Settings, out: TextIO = sys.stderr) -> int:
     """Load the models, then serve until interrupted."""
-    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from servelm.api.access_log import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format)
 
     def say(message: str) -> None:
         print(f"servelm: {message}", file=out, flush=True)

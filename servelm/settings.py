@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -36,6 +36,11 @@ DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+# The shape of rate_limit_storage: a `limits` storage URI. servelm uses the
+# asyncio variant of the storage ("async+" is added when missing).
+_STORAGE_URI = re.compile(r"^(async\+)?[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 
 
 class SettingsError(ValueError):
@@ -91,6 +96,49 @@ class _YamlFileSource(InitSettingsSource):
         super().__init__(settings_cls, data)
 
 
+class RateLimit(BaseModel):
+    """One identity's limits per minute; ``None`` is unlimited.
+
+    In ``rate_limits.keys`` a field left out inherits the default's value,
+    while an explicit ``null`` makes that dimension unlimited for the key.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+
+    @property
+    def unlimited(self) -> bool:
+        """True when neither requests nor tokens are limited."""
+        return self.requests_per_minute is None and self.tokens_per_minute is None
+
+
+class RateLimits(BaseModel):
+    """Rate limits: a default for every client and overrides per API key.
+
+    A client is its API key when keys are configured, else its address;
+    ``keys`` is looked up by that identity.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    default: RateLimit = Field(default_factory=RateLimit)
+    keys: dict[str, RateLimit] = Field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        """True when any identity has a limit."""
+        return not self.default.unlimited or any(not self.for_identity(k).unlimited for k in self.keys)
+
+    def for_identity(self, identity: str) -> RateLimit:
+        """The limits of ``identity``: its override's fields over the default's."""
+        override = self.keys.get(identity)
+        if override is None:
+            return self.default
+        return self.default.model_copy(update={name: getattr(override, name) for name in override.model_fields_set})
+
+
 class Settings(BaseSettings):
     """Everything ``servelm serve`` can be told, with its default.
 
@@ -133,6 +181,13 @@ class Settings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_format: Literal["text", "json"] = Field("text", description="Log lines as text or as JSON objects.")
+
+    # rate limits
+    rate_limits: RateLimits = Field(default_factory=RateLimits)
+    rate_limit_storage: str = Field(
+        "memory://", description="Where rate-limit counters live: a `limits` storage URI (memory://, redis://...)."
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -162,6 +217,37 @@ class Settings(BaseSettings):
         if any(not key.strip() for key in value):
             raise ValueError("API keys must not be blank")
         return value
+
+    @field_validator("rate_limit_storage")
+    @classmethod
+    def _known_storage(cls, value: str) -> str:
+        # Checked here so a typo or a missing client library stops the server
+        # before the models load, not at its first request.
+        if not _STORAGE_URI.match(value):
+            raise ValueError("expected a storage URI such as memory:// or redis://host:6379")
+        uri = async_storage_uri(value)
+        if uri.lower().startswith("async+memory:"):
+            return value
+        import limits.aio.storage  # noqa: F401  (registers the async+ schemes)
+        from limits.errors import ConfigurationError
+        from limits.storage import storage_from_string
+
+        try:
+            storage_from_string(uri)
+        except ConfigurationError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _rate_limit_keys_known(self) -> Settings:
+        if self.api_keys:
+            unknown = [k for k in self.rate_limits.keys if k not in self.api_keys]
+            if unknown:
+                # Name the key by its end only: it is a secret.
+                raise ValueError(
+                    f"rate_limits.keys has a key that is not one of api_keys (ending ...{unknown[0][-4:]})"
+                )
+        return self
 
     @field_validator("embedding_model", mode="before")
     @classmethod
@@ -204,6 +290,11 @@ class Settings(BaseSettings):
         if self.chat_template is None:
             return None
         return self.chat_template.expanduser().read_text(encoding="utf-8")
+
+
+def async_storage_uri(uri: str) -> str:
+    """``uri`` as the asyncio variant of its `limits` storage (``async+redis://...``)."""
+    return uri if uri.lower().startswith("async+") else f"async+{uri}"
 
 
 def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:

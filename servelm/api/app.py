@@ -9,10 +9,12 @@ from collections.abc import Callable
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
+from servelm.api.access_log import REQUEST_ID_HEADER, AccessLogMiddleware
 from servelm.api.auth import AuthMiddleware
 from servelm.api.body_limit import BodyLimitMiddleware
 from servelm.api.errors import CatchAllMiddleware, install_exception_handlers
 from servelm.api.metrics import Metrics, MetricsMiddleware
+from servelm.api.ratelimit import REQUESTS, TOKENS, RateLimiter, RateLimitMiddleware
 from servelm.api.routers import chat, completions, embeddings, health, models, tokenize
 from servelm.api.serving_engine import ServingContext, servelm_version
 from servelm.api.state import AppState
@@ -29,10 +31,12 @@ def create_app(
 ) -> FastAPI:
     """Build the OpenAI-compatible app serving ``connector``.
 
-    ``settings`` supplies auth keys, CORS origins, the body limit and the
-    chat template override (its file is read here, once). ``clock`` and
-    ``new_id`` make response ids and timestamps reproducible in tests.
-    Each app has its own metrics registry, so several apps can live in one
+    ``settings`` supplies auth keys, rate limits, CORS origins, the body
+    limit and the chat template override (its file is read here, once).
+    ``clock`` (wall time: response timestamps and, with ``memory://``
+    storage, rate-limit windows) and ``new_id`` (request and response ids)
+    make responses reproducible in tests. Each app has its own metrics
+    registry and rate-limit counters, so several apps can live in one
     process.
     """
     settings = settings if settings is not None else Settings()
@@ -57,20 +61,32 @@ def create_app(
     for module in routers:
         app.include_router(module.router)
 
-    # add_middleware wraps, so the last added runs first:
-    # CORS -> metrics -> catch-all -> auth -> body limit -> routes.
+    # add_middleware wraps, so the last added runs first: CORS -> access log ->
+    # metrics -> catch-all -> auth -> rate limit -> body limit -> routes.
+    # Rate limiting runs after auth, so only valid keys get counters, and
+    # before the body is read, so a refused request costs nothing more.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    if settings.rate_limits.enabled:
+        limiter = RateLimiter.from_uri(settings.rate_limits, settings.rate_limit_storage, clock=clock, metrics=metrics)
+        app.add_middleware(RateLimitMiddleware, limiter=limiter, keyed=bool(settings.api_keys))
     if settings.api_keys:
         app.add_middleware(AuthMiddleware, api_keys=settings.api_keys, metrics_require_auth=settings.metrics_require_auth)
     app.add_middleware(CatchAllMiddleware)
     routes = [r for r in app.routes if hasattr(r, "path")]
     routes += [r for module in routers for r in module.router.routes]
     app.add_middleware(MetricsMiddleware, metrics=metrics, routes=routes)
+    app.add_middleware(AccessLogMiddleware, new_id=new_id, routes=routes)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["*"],
             allow_headers=["*"],
+            # Browsers hide response headers from scripts unless listed here.
+            expose_headers=[REQUEST_ID_HEADER, "retry-after", *_rate_limit_headers()],
         )
     return app
+
+
+def _rate_limit_headers() -> list[str]:
+    return [f"x-ratelimit-{what}-{kind}" for kind in (REQUESTS, TOKENS) for what in ("limit", "remaining", "reset")]

@@ -10,7 +10,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["CONTENT_TYPE_LATEST", "Metrics", "MetricsMiddleware"]
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics", "MetricsMiddleware", "route_label"]
 
 
 class Metrics:
@@ -42,10 +42,31 @@ class Metrics:
             ["model"],
             registry=self.registry,
         )
+        # vLLM's `vllm:` naming; the other metrics move to `servelm:` with the engine's.
+        self.rate_limit_rejections = Counter(
+            "servelm:rate_limit_rejections",
+            "Requests refused with 429 by the rate limiter, by the limit they hit (requests or tokens).",
+            ["kind"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""
         return generate_latest(self.registry)
+
+
+def route_label(scope: Scope, routes: Sequence[BaseRoute]) -> str:
+    """The route template a request was for (``/v1/models/{model_id:path}``), or ``unmatched``."""
+    route = scope.get("route")
+    if route is not None and hasattr(route, "path"):
+        return route.path
+    # Requests stopped before routing (401, 413, 429): find the route they were
+    # for, so labels stay bounded by the route table, never the raw path.
+    for candidate in routes:
+        match, _ = candidate.matches(scope)
+        if match != Match.NONE:
+            return getattr(candidate, "path", "unmatched")
+    return "unmatched"
 
 
 class MetricsMiddleware:
@@ -59,18 +80,6 @@ class MetricsMiddleware:
         self.app = app
         self.metrics = metrics
         self.routes = routes  # the app's routes, to label requests that never reached one
-
-    def _route_label(self, scope: Scope) -> str:
-        route = scope.get("route")
-        if route is not None and hasattr(route, "path"):
-            return route.path
-        # Requests stopped before routing (401, 413): find the route they were for,
-        # so labels stay bounded by the route table, never the raw path.
-        for candidate in self.routes:
-            match, _ = candidate.matches(scope)
-            if match != Match.NONE:
-                return getattr(candidate, "path", "unmatched")
-        return "unmatched"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -88,7 +97,7 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, recording_send)
         finally:
-            route = self._route_label(scope)
+            route = route_label(scope, self.routes)
             method = scope.get("method", "")
             self.metrics.requests.labels(method, route, str(status)).inc()
             self.metrics.latency.labels(method, route).observe(time.perf_counter() - start)

@@ -8,6 +8,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from servelm.api.access_log import response_id
 from servelm.api.errors import APIError, context_length_exceeded
 from servelm.api.protocol import (
     ChatChoice,
@@ -112,8 +113,10 @@ class ServingChat(GenerationServing):
         if error is not None:
             raise error
 
-        request_id = f"chatcmpl-{self.ctx.new_id()}"
-        run = GenerationRun(self.connector, card.id, request_id, [prompt_ids], params, self.ctx.metrics)
+        request_id = f"chatcmpl-{response_id(raw_request, self.ctx.new_id)}"
+        run = GenerationRun(
+            self.connector, card.id, request_id, [prompt_ids], params, self.ctx.metrics, max_model_len=card.max_model_len
+        )
         stream = bool(req.stream)
         formatter = ChatFormatter(
             id=request_id,

@@ -8,6 +8,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from servelm.api.access_log import response_id
 from servelm.api.errors import APIError, context_length_exceeded
 from servelm.api.protocol import (
     CompletionChoice,
@@ -133,8 +134,10 @@ class ServingCompletion(GenerationServing):
             if with_prompt_logprobs:
                 first_token_texts = [await self.connector.detokenize(card.id, ids[:1]) for ids in prompt_ids]
 
-        request_id = f"cmpl-{self.ctx.new_id()}"
-        run = GenerationRun(self.connector, card.id, request_id, prompt_ids, params, self.ctx.metrics)
+        request_id = f"cmpl-{response_id(raw_request, self.ctx.new_id)}"
+        run = GenerationRun(
+            self.connector, card.id, request_id, prompt_ids, params, self.ctx.metrics, max_model_len=card.max_model_len
+        )
         formatter = CompletionFormatter(
             id=request_id,
             created=int(self.ctx.clock()),

@@ -8,8 +8,10 @@ import struct
 from starlette.requests import Request
 from starlette.responses import Response
 
+from servelm.api.access_log import request_record
 from servelm.api.errors import APIError, context_length_exceeded
 from servelm.api.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from servelm.api.ratelimit import rate_limit_ticket
 from servelm.api.serving_engine import OpenAIServing, cancel_on_disconnect, check_supported
 
 # OpenAI's own limit on inputs per request.
@@ -47,7 +49,23 @@ class ServingEmbedding(OpenAIServing):
                 if error is not None:
                     raise error
 
-        outputs = await cancel_on_disconnect(raw_request, self.connector.embed(card.id, inputs))
+        # Text is tokenized by the engine, so only a lower bound is known up
+        # front (a token per string); settle() charges the rest.
+        ticket = rate_limit_ticket(raw_request)
+        if ticket is not None:
+            await ticket.reserve_tokens(sum(len(item) if isinstance(item, list) else 1 for item in inputs))
+        try:
+            outputs = await cancel_on_disconnect(raw_request, self.connector.embed(card.id, inputs))
+        except BaseException:
+            if ticket is not None:
+                await ticket.settle(0)
+            raise
+        prompt_tokens = sum(o.num_tokens for o in outputs)
+        if ticket is not None:
+            await ticket.settle(prompt_tokens)
+        record = request_record(raw_request)
+        if record is not None:
+            record.prompt_tokens = prompt_tokens
         if req.dimensions is not None:
             dim = len(outputs[0].embedding) if outputs else 0
             if req.dimensions != dim:
@@ -57,7 +75,6 @@ class ServingEmbedding(OpenAIServing):
                     status=400,
                     param="dimensions",
                 )
-        prompt_tokens = sum(o.num_tokens for o in outputs)
         self.ctx.metrics.prompt_tokens.labels(card.id).inc(prompt_tokens)
         data = [
             EmbeddingData(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,6 +21,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from servelm.api.access_log import request_record
 from servelm.api.errors import APIError, api_error_from, error_body
 from servelm.api.metrics import Metrics
 from servelm.api.protocol import (
@@ -29,6 +31,7 @@ from servelm.api.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from servelm.api.ratelimit import rate_limit_ticket
 from servelm.api.serving_engine import OpenAIServing, cancel_on_disconnect
 from servelm.api.sse import DONE_EVENT, EventStreamResponse, sse_event
 from servelm.connectors.base import Connector, ConnectorError
@@ -80,7 +83,9 @@ class GenerationRun:
     choice ``i * n + c``, as OpenAI numbers them. :meth:`start` waits for
     every prompt's first output so admission errors (context too long,
     unknown model) surface before a response is chosen. :meth:`close` aborts
-    whatever has not finished; it is idempotent.
+    whatever has not finished; it is idempotent. ``max_model_len`` bounds
+    the completion when ``params.max_tokens`` is None (for
+    :attr:`max_total_tokens`).
     """
 
     def __init__(
@@ -91,12 +96,17 @@ class GenerationRun:
         prompts: list[list[int]],
         params: SamplingParams,
         metrics: Metrics,
+        *,
+        max_model_len: int | None = None,
     ):
         self.connector = connector
         self.model = model
         self.prompts = prompts
         self.params = params
         self.metrics = metrics
+        self.max_model_len = max_model_len
+        self.admitted = False  # the engine took every prompt (start() returned)
+        self.first_token_at: float | None = None  # time.perf_counter() at the first generated token
         self.request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self.prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
         self.cached_tokens = [0] * len(prompts)
@@ -112,6 +122,22 @@ class GenerationRun:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens the run can use: every prompt, plus ``max_tokens`` for each sequence sampled."""
+        total = 0
+        for prompt in self.prompts:
+            completion = self.params.max_tokens
+            if completion is None:
+                completion = max((self.max_model_len or len(prompt)) - len(prompt), 0)
+            total += len(prompt) + (self.params.best_of or self.params.n) * completion
+        return total
+
+    @property
+    def tokens_used(self) -> int:
+        """Tokens the run used: prompts and completions, or none if the engine refused it."""
+        return self.prompt_tokens + self.completion_tokens if self.admitted else 0
 
     def usage(self) -> Usage:
         """Token usage so far (all of it once the run is over)."""
@@ -163,6 +189,7 @@ class GenerationRun:
         except BaseException:
             await self.close()
             raise
+        self.admitted = True
         self.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
 
     async def _pump(self, i: int) -> None:
@@ -218,6 +245,8 @@ class GenerationRun:
                     finish_reason=c.finish_reason,
                 )
             if new_tokens:
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
                 self.completion_tokens += new_tokens
                 self.metrics.generation_tokens.labels(self.model).inc(new_tokens)
             if out.finished:
@@ -300,14 +329,39 @@ class GenerationServing(OpenAIServing):
     async def respond(
         self, raw_request: Request, run: GenerationRun, formatter: ResponseFormatter, stream: bool
     ) -> Response:
-        """Start ``run`` and answer with an SSE stream or one JSON body."""
-        await cancel_on_disconnect(raw_request, run.start())
+        """Start ``run`` and answer with an SSE stream or one JSON body.
+
+        With rate limits on, the run's most tokens are reserved first (429
+        if they do not fit) and corrected to what it used when it ends.
+        """
+        ticket = rate_limit_ticket(raw_request)
+        if ticket is not None:
+            await ticket.reserve_tokens(run.max_total_tokens)
+
+        async def finish() -> None:
+            # Runs once the run is over, however it ended.
+            with anyio.CancelScope(shield=True):
+                await run.close()
+                record = request_record(raw_request)
+                if record is not None:
+                    record.prompt_tokens = run.prompt_tokens
+                    record.completion_tokens = run.completion_tokens
+                    if stream:
+                        record.first_token_at = run.first_token_at
+                if ticket is not None:
+                    await ticket.settle(run.tokens_used)
+
+        try:
+            await cancel_on_disconnect(raw_request, run.start())
+        except BaseException:
+            await finish()
+            raise
         if stream:
-            return EventStreamResponse(self._events(run, formatter), on_close=run.close)
+            return EventStreamResponse(self._events(run, formatter), on_close=finish)
         try:
             choices = await cancel_on_disconnect(raw_request, run.collect())
         finally:
-            await run.close()
+            await finish()
         return Response(formatter.response(choices, run).model_dump_json(), media_type="application/json")
 
     async def _events(self, run: GenerationRun, formatter: ResponseFormatter) -> AsyncIterator[str]:
