@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import count
 
 from servelm.engine.block_manager import BlockManager
@@ -17,7 +17,7 @@ from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.model_runner import ModelRunner, StepResult
 from servelm.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from servelm.engine.sampler import SamplingState, make_generator
-from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
+from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import Sequence
 
@@ -77,7 +77,6 @@ class _Request:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
-    finished_sent: bool = field(default=False)
 
     @property
     def finished(self) -> bool:

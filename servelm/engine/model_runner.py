@@ -17,7 +17,7 @@ import torch
 
 from servelm.engine.config import EngineConfig
 from servelm.engine.sampler import Sampler, SamplingState
-from servelm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from servelm.engine.scheduler import SchedulerOutput
 from servelm.models.attention import AttentionMetadata
 from servelm.models.loader import load_model
 
@@ -50,13 +50,6 @@ def _free_memory_bytes(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return free
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-@dataclass
-class PromptLogprobRequest:
-    """Ask for the logits of every token of a prefill chunk (for echo with logprobs)."""
-
-    scheduled: ScheduledSeq
 
 
 @dataclass
