@@ -183,6 +183,17 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_format: Literal["text", "json"] = Field("text", description="Log lines as text or as JSON objects.")
 
+    # admission control; 0 or null: no limit
+    max_waiting: int | None = Field(
+        256, ge=0, description="Most requests waiting to start in the engine; past it new requests get 429."
+    )
+    queue_timeout: float | None = Field(
+        60.0, ge=0, description="Seconds a request may wait to start before it is aborted with 429."
+    )
+    request_timeout: float | None = Field(
+        None, ge=0, description="Seconds a request may run before it is aborted with a timeout error."
+    )
+
     # rate limits
     rate_limits: RateLimits = Field(default_factory=RateLimits)
     rate_limit_storage: str = Field(
@@ -248,6 +259,20 @@ class Settings(BaseSettings):
                     f"rate_limits.keys has a key that is not one of api_keys (ending ...{unknown[0][-4:]})"
                 )
         return self
+
+    @field_validator("max_waiting", "queue_timeout", "request_timeout", mode="before")
+    @classmethod
+    def _none_is_unlimited(cls, value: Any) -> Any:
+        # Flags and environment variables carry "none"/"null" as text.
+        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+            return None
+        return value
+
+    @field_validator("max_waiting", "queue_timeout", "request_timeout")
+    @classmethod
+    def _zero_is_unlimited(cls, value: float | None) -> float | None:
+        # 0 would refuse (or time out) every request, so it means "no limit".
+        return None if value == 0 else value
 
     @field_validator("embedding_model", mode="before")
     @classmethod

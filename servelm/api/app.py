@@ -17,6 +17,7 @@ from servelm.api.metrics import Metrics, MetricsMiddleware
 from servelm.api.ratelimit import REQUESTS, TOKENS, RateLimiter, RateLimitMiddleware
 from servelm.api.routers import chat, completions, embeddings, health, models, tokenize
 from servelm.api.serving_engine import ServingContext, servelm_version
+from servelm.api.serving_generation import ADMISSION_STATE, Admission
 from servelm.api.state import AppState
 from servelm.connectors.base import Connector
 from servelm.settings import Settings
@@ -31,7 +32,8 @@ def create_app(
 ) -> FastAPI:
     """Build the OpenAI-compatible app serving ``connector``.
 
-    ``settings`` supplies auth keys, rate limits, CORS origins, the body
+    ``settings`` supplies auth keys, rate limits, admission control
+    (max_waiting, queue_timeout, request_timeout), CORS origins, the body
     limit and the chat template override (its file is read here, once).
     ``clock`` (wall time: response timestamps and, with ``memory://``
     storage, rate-limit windows) and ``new_id`` (request and response ids)
@@ -56,6 +58,15 @@ def create_app(
         description="An OpenAI-compatible LLM inference server. See docs/API.md for what each field does.",
     )
     app.state.servelm = AppState.build(ctx)
+    setattr(
+        app.state,
+        ADMISSION_STATE,
+        Admission(
+            max_waiting=settings.max_waiting,
+            queue_timeout=settings.queue_timeout,
+            request_timeout=settings.request_timeout,
+        ),
+    )
     install_exception_handlers(app)
     routers = (chat, completions, embeddings, models, tokenize, health)
     for module in routers:

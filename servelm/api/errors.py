@@ -50,6 +50,31 @@ class APIError(Exception):
         self.headers = headers
 
 
+class ServerOverloaded(APIError):
+    """429 ``server_overloaded``: the engine's waiting queue is full (``code`` ``queue_full``)
+    or the request waited in it past ``queue_timeout`` (``code`` ``queue_timeout``).
+
+    It carries ``Retry-After``; clients (the OpenAI SDKs included) retry a 429.
+    """
+
+    def __init__(self, message: str, *, code: str, retry_after_s: int):
+        super().__init__(
+            message, status=429, type="server_overloaded", code=code, headers={"Retry-After": str(retry_after_s)}
+        )
+
+
+class RequestTimedOut(APIError):
+    """408 ``request_timeout``: the request ran longer than ``request_timeout`` and was aborted."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(
+            f"The request did not finish within the server's request timeout ({timeout_s:g} s) and was aborted.",
+            status=408,
+            type="timeout_error",
+            code="request_timeout",
+        )
+
+
 class ClientDisconnected(Exception):
     """The client went away before its response was ready; nothing is sent."""
 

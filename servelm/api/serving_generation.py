@@ -12,9 +12,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import anyio
 from pydantic import BaseModel
@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from servelm.api.access_log import request_record
-from servelm.api.errors import APIError, api_error_from, error_body
+from servelm.api.errors import APIError, RequestTimedOut, ServerOverloaded, api_error_from, error_body
 from servelm.api.metrics import Metrics
 from servelm.api.protocol import (
     ChatLogprobEntry,
@@ -31,7 +31,7 @@ from servelm.api.protocol import (
     PromptTokensDetails,
     Usage,
 )
-from servelm.api.ratelimit import rate_limit_ticket
+from servelm.api.ratelimit import rate_limit_ticket, retry_after
 from servelm.api.serving_engine import OpenAIServing, cancel_on_disconnect
 from servelm.api.sse import DONE_EVENT, EventStreamResponse, sse_event
 from servelm.connectors.base import Connector, ConnectorError
@@ -39,6 +39,8 @@ from servelm.engine.outputs import PositionLogprobs, RequestOutput
 from servelm.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("servelm.api")
+
+T = TypeVar("T")
 
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens like this.
 _MIN_LOGPROB = -9999.0
@@ -73,6 +75,37 @@ class EngineRequestError(APIError):
 
     def __init__(self, detail: str):
         super().__init__(f"The engine failed the request: {detail}", status=500, code="engine_error")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Admission control of generation requests (settings ``max_waiting``,
+    ``queue_timeout``, ``request_timeout``; None: no limit).
+
+    ``max_waiting``: a new request is refused (429 ``queue_full``) while that
+    many engine requests already wait to start. ``queue_timeout``: seconds a
+    request may wait for its first output before it is aborted and answered
+    429 ``queue_timeout``. ``request_timeout``: seconds a whole request may
+    run before it is aborted and answered 408 ``request_timeout`` (an error
+    event then ``[DONE]`` once a stream has begun).
+    """
+
+    max_waiting: int | None = None
+    queue_timeout: float | None = None
+    request_timeout: float | None = None
+
+
+# The attribute of ``app.state`` holding the app's Admission (set by create_app).
+ADMISSION_STATE = "servelm_admission"
+
+# Retry-After of a 429 for a full queue: engine steps take milliseconds to a
+# second, so the queue moves within a second or two; clients back off from there.
+_RETRY_AFTER_S = 1.0
+
+
+def admission_for(request: Request) -> Admission:
+    """The admission settings of the app serving ``request`` (no limits if none were set)."""
+    return getattr(request.app.state, ADMISSION_STATE, None) or Admission()
 
 
 class GenerationRun:
@@ -118,6 +151,8 @@ class GenerationRun:
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
         self._closed = False
+        self._deadline: float | None = None  # loop time when request_timeout expires
+        self._request_timeout = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -149,48 +184,98 @@ class GenerationRun:
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
-    async def start(self) -> None:
+    async def start(self, admission: Admission | None = None) -> None:
         """Submit every prompt and wait for each one's first output.
 
-        Raises the connector's error (e.g. ContextLengthExceeded) after
-        aborting the prompts already submitted.
+        With ``admission``, first refuse the run with :class:`ServerOverloaded`
+        (429 ``queue_full``) if the engine's waiting queue is full, bound the
+        wait for the first outputs by ``queue_timeout`` (429
+        ``queue_timeout``) and the whole run by ``request_timeout``
+        (:class:`RequestTimedOut`, also enforced by :meth:`deltas`). Raises
+        the connector's error (e.g. ContextLengthExceeded) after aborting the
+        prompts already submitted.
         """
+        admission = admission or Admission()
+        if admission.max_waiting is not None:
+            # For a single prompt nothing between this check and the
+            # submission below suspends (queue_depth and the local
+            # connector's submission do not), so concurrent requests cannot
+            # all slip past the limit. A batch of prompts is submitted from
+            # tasks and counts as one request here: the limit is approximate.
+            depth = await self.connector.queue_depth()
+            if depth.waiting >= admission.max_waiting:
+                raise ServerOverloaded(
+                    f"The server is at capacity: {depth.waiting} requests are already waiting. "
+                    "Retry after the time in the Retry-After header.",
+                    code="queue_full",
+                    retry_after_s=retry_after(_RETRY_AFTER_S),
+                )
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if admission.request_timeout is not None:
+            self._deadline = now + admission.request_timeout
+            self._request_timeout = admission.request_timeout
+        first_deadline = self._deadline
+        queue_deadline = None if admission.queue_timeout is None else now + admission.queue_timeout
+        if queue_deadline is not None and (first_deadline is None or queue_deadline < first_deadline):
+            first_deadline = queue_deadline
         self._started = True
         self.metrics.running.labels(self.model).inc()
         try:
-            if len(self.prompts) == 1:
-                try:
-                    iterator = self.connector.generate(self.model, self.request_ids[0], self.prompts[0], self.params)
-                    self._iterators.append(iterator)
-                    first = await iterator.__anext__()
-                except StopAsyncIteration:
-                    self._finished[0] = True
-                    raise EngineRequestError("the output stream ended before any output") from None
-                except Exception:
-                    self._finished[0] = True  # refused by the connector: nothing to abort
+            timeout = asyncio.timeout_at(first_deadline)
+            try:
+                async with timeout:
+                    await self._first_outputs()
+            except TimeoutError:
+                if not timeout.expired():
                     raise
-                self._buffer.append((0, first))
-            else:
-                self._queue = asyncio.Queue()
-                self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.prompts))]
-                waiting = set(range(len(self.prompts)))
-                while waiting:
-                    i, item = await self._queue.get()
-                    if isinstance(item, BaseException) or item is None:
-                        self._finished[i] = True
-                    if isinstance(item, BaseException):
-                        raise item
-                    if item is None:
-                        if i in waiting:
-                            raise EngineRequestError("the output stream ended before any output")
-                        continue
-                    self._buffer.append((i, item))
-                    waiting.discard(i)
+                # The prompts not yet answered keep _finished False, so
+                # close() (below) aborts them in the engine.
+                if first_deadline == queue_deadline:
+                    raise ServerOverloaded(
+                        f"The request waited {admission.queue_timeout:g} s in the server's queue without "
+                        "starting; the server is at capacity. Retry after the time in the Retry-After header.",
+                        code="queue_timeout",
+                        retry_after_s=retry_after(_RETRY_AFTER_S),
+                    ) from None
+                raise RequestTimedOut(self._request_timeout) from None
         except BaseException:
             await self.close()
             raise
         self.admitted = True
         self.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
+
+    async def _first_outputs(self) -> None:
+        if len(self.prompts) == 1:
+            try:
+                iterator = self.connector.generate(self.model, self.request_ids[0], self.prompts[0], self.params)
+                self._iterators.append(iterator)
+                first = await iterator.__anext__()
+            except StopAsyncIteration:
+                self._finished[0] = True
+                raise EngineRequestError("the output stream ended before any output") from None
+            except asyncio.CancelledError:
+                raise  # a timeout or a disconnect: the request may be queued, so close() aborts it
+            except Exception:
+                self._finished[0] = True  # refused by the connector: nothing to abort
+                raise
+            self._buffer.append((0, first))
+            return
+        self._queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.prompts))]
+        waiting = set(range(len(self.prompts)))
+        while waiting:
+            i, item = await self._queue.get()
+            if isinstance(item, BaseException) or item is None:
+                self._finished[i] = True
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                if i in waiting:
+                    raise EngineRequestError("the output stream ended before any output")
+                continue
+            self._buffer.append((i, item))
+            waiting.discard(i)
 
     async def _pump(self, i: int) -> None:
         # One task per prompt: the prompts' streams are consumed concurrently
@@ -210,11 +295,15 @@ class GenerationRun:
             yield self._buffer.pop(0)
         if self._queue is None:
             if not self._finished[0]:
-                async for out in self._iterators[0]:
+                while True:
+                    try:
+                        out = await self._next(self._iterators[0].__anext__())
+                    except StopAsyncIteration:
+                        return
                     yield 0, out
             return
         while not all(self._finished):
-            i, item = await self._queue.get()
+            i, item = await self._next(self._queue.get())
             if isinstance(item, BaseException):
                 self._finished[i] = True
                 raise item
@@ -222,6 +311,20 @@ class GenerationRun:
                 self._finished[i] = True  # ended without finished=True: take it as done
                 continue
             yield i, item
+
+    async def _next(self, awaitable: Awaitable[T]) -> T:
+        # Each fetch gets the time left before the request timeout, rather
+        # than one timeout around the generator, so the cancellation never
+        # lands while the consumer (the response writer) holds control.
+        timeout = asyncio.timeout_at(self._deadline)
+        try:
+            async with timeout:
+                return await awaitable
+        except TimeoutError:
+            if timeout.expired():
+                # Unfinished prompts keep _finished False: close() aborts them.
+                raise RequestTimedOut(self._request_timeout) from None
+            raise
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """The choices' deltas as they arrive; raises EngineRequestError on an engine failure."""
@@ -333,6 +436,8 @@ class GenerationServing(OpenAIServing):
 
         With rate limits on, the run's most tokens are reserved first (429
         if they do not fit) and corrected to what it used when it ends.
+        The app's :class:`Admission` settings bound the engine's queue and
+        the run's time (see :meth:`GenerationRun.start`).
         """
         ticket = rate_limit_ticket(raw_request)
         if ticket is not None:
@@ -352,7 +457,7 @@ class GenerationServing(OpenAIServing):
                     await ticket.settle(run.tokens_used)
 
         try:
-            await cancel_on_disconnect(raw_request, run.start())
+            await cancel_on_disconnect(raw_request, run.start(admission_for(raw_request)))
         except BaseException:
             await finish()
             raise

@@ -63,6 +63,19 @@ class ModelCard:
     root: str | None = None  # the path or bundled name it was loaded from
 
 
+@dataclass(frozen=True)
+class QueueDepth:
+    """How busy the engine is: requests running and requests waiting.
+
+    A request is *waiting* from its submission until the engine starts
+    running it; the API's admission control (``max_waiting``) reads
+    ``waiting``.
+    """
+
+    running: int = 0
+    waiting: int = 0
+
+
 @runtime_checkable
 class Connector(Protocol):
     """What the API needs from an engine (or a cluster of them).
@@ -92,6 +105,14 @@ class Connector(Protocol):
         ...
 
     async def abort(self, model: str, request_id: str) -> None: ...
+
+    async def queue_depth(self) -> QueueDepth:
+        """Requests running and waiting in the engine(s), summed over models.
+
+        Called before every generation request, so it must be cheap and
+        must not wait on the engine.
+        """
+        ...
 
     async def embed(self, model: str, inputs: list[str] | list[list[int]]) -> list[EmbeddingOutput]: ...
 

@@ -9,7 +9,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from servelm.connectors.base import ConnectorError, ContextLengthExceeded, ModelCard, ModelNotFound
+from servelm.connectors.base import (
+    ConnectorError,
+    ContextLengthExceeded,
+    ModelCard,
+    ModelNotFound,
+    QueueDepth,
+)
 from servelm.engine.config import EngineConfig
 from servelm.engine.outputs import EmbeddingOutput, RequestOutput
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
@@ -145,6 +151,24 @@ class LocalConnector:
 
     async def abort(self, model: str, request_id: str) -> None:
         self._llm(model).abort(request_id)
+
+    async def queue_depth(self) -> QueueDepth:
+        """Running and waiting sequences of the engine (zeros before :meth:`load`).
+
+        Waiting counts the scheduler's waiting queue plus the requests still
+        in the async engine's inbox (submitted, not yet seen by the engine
+        thread). Sequences being prefilled count as running. The counts are
+        read from the event-loop thread without the engine lock: each read
+        is a single ``len()``, so the result is a consistent-enough snapshot
+        for admission control, never a torn value, and taking the lock would
+        make every request wait for an engine step.
+        """
+        engine = self.engine
+        if engine is None:
+            return QueueDepth()
+        scheduler = engine.engine.scheduler
+        inbox = engine.num_pending
+        return QueueDepth(running=scheduler.num_running, waiting=scheduler.num_waiting + inbox)
 
     async def embed(self, model: str, inputs: list[str] | list[list[int]]) -> list[EmbeddingOutput]:
         embedder = self._embedder(model)

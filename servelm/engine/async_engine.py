@@ -69,6 +69,11 @@ class AsyncLLMEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
+    @property
+    def num_pending(self) -> int:
+        """Requests submitted but not yet handed to the engine (read without the lock: a snapshot)."""
+        return len(self._inbox)
+
     # -- requests ------------------------------------------------------
 
     async def generate(

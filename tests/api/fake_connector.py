@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelm.connectors.base import ConnectorError, ContextLengthExceeded, ModelCard, ModelNotFound
+from servelm.connectors.base import ConnectorError, ContextLengthExceeded, ModelCard, ModelNotFound, QueueDepth
 from servelm.engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -79,6 +79,9 @@ class FakeConnector:
     release: asyncio.Event = field(default_factory=asyncio.Event)
     embed_dim: int = EMBED_DIM
     template_error: Exception | None = None
+    hold_before_first: bool = False  # wait on `release` before the first output (a queued request)
+    running: int = 0  # what queue_depth() reports
+    waiting: int = 0
     # records
     generate_calls: list[tuple[str, str, Any, SamplingParams]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -129,6 +132,9 @@ class FakeConnector:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens (engine check).", param="prompt"
             )
+        if self.hold_before_first:
+            self.held.set()
+            await self.release.wait()
         if self.script is not None:
             for out in self.script:
                 yield out
@@ -185,6 +191,9 @@ class FakeConnector:
 
     async def abort(self, model: str, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def queue_depth(self) -> QueueDepth:
+        return QueueDepth(running=self.running, waiting=self.waiting)
 
     async def embed(self, model: str, inputs: list[str] | list[list[int]]) -> list[EmbeddingOutput]:
         card = self._card(model, "embed")
