@@ -326,11 +326,9 @@ class LLMEngine:
 
     def _make_output(self, req: _Request) -> RequestOutput:
         """A delta output: what changed since the last one for this request."""
-        if req.streams:
-            choices = req.choices
-        else:
-            best = sorted(req.choices, key=lambda c: c.output.cumulative_logprob, reverse=True)[: req.params.n]
-            choices = best
+        choices = req.choices
+        if not req.streams:
+            choices = sorted(choices, key=lambda c: c.output.cumulative_logprob, reverse=True)[: req.params.n]
         deltas = []
         for new_index, state in enumerate(choices):
             out = state.output
