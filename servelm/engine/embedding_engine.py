@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
+from servelm.engine.device import resolve_device, resolve_dtype
 from servelm.engine.outputs import EmbeddingOutput
 from servelm.models.bert import BertModel
 from servelm.models.registry import resolve_model_path
@@ -26,7 +27,6 @@ _POOLING_KEYS = (
     ("max", "pooling_mode_max_tokens"),
     ("mean_sqrt_len", "pooling_mode_mean_sqrt_len_tokens"),
 )
-_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class InputTooLongError(ValueError):
@@ -83,8 +83,8 @@ class EmbeddingEngine:
         if not folder.is_dir():
             raise ValueError(f"embedding model {name_or_path!r}: {folder} is not a model folder")
         self.sentence_config = SentenceConfig.from_folder(folder)
-        self.device = torch.device(_resolve_device(device))
-        self.dtype = _resolve_dtype(dtype, self.device)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
         model_folder = self.sentence_config.model_folder
         self.model = BertModel.from_pretrained(model_folder, dtype=self.dtype, device=self.device)
@@ -186,20 +186,3 @@ def _read_max_seq_length(folder: Path) -> int | None:
     if not path.exists():
         return None
     return json.loads(path.read_text()).get("max_seq_length")
-
-
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        # Half precision on CPU is slower than float32 and buys nothing here.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}: one of auto, {', '.join(_DTYPES)}")
-    return getattr(torch, dtype)

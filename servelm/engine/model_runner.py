@@ -16,33 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from servelm.engine.config import EngineConfig
+from servelm.engine.device import resolve_device, resolve_dtype
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.models.attention import AttentionMetadata
 from servelm.models.loader import load_model
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` picks CUDA when present, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` is float32 on CPU (bf16 matmuls are slow on most CPUs) and bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def _free_memory_bytes(device: torch.device) -> int:
