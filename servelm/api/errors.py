@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servelm.connectors.base import ConnectorError, ContextLengthExceeded
+from servelm.engine.context_limit import context_length_error
 from servelm.engine.sampling_params import SamplingParamsError
 
 logger = logging.getLogger("servelm.api")
@@ -130,35 +131,11 @@ def context_length_exceeded(
 ) -> ContextLengthExceeded | None:
     """The error for a prompt plus completion that does not fit the context, or None if it fits.
 
-    ``where`` names what holds the prompt ("messages", "prompt", "input") and
-    is also the error's ``param``. ``max_tokens`` None means "up to the
-    context", which needs room for at least one generated token; 0 means
-    nothing is generated (embeddings).
+    ``where`` is also the error's ``param``; the rule and the wording are the
+    engine's (:func:`servelm.engine.context_limit.context_length_error`).
     """
-    if max_tokens is None:
-        if prompt_tokens < max_model_len:
-            return None
-        message = (
-            f"This model's maximum context length is {max_model_len} tokens. However, your {where} "
-            f"resulted in {prompt_tokens} tokens, which leaves no room for the completion. "
-            f"Please reduce the length of the {where}."
-        )
-    elif max_tokens == 0:  # nothing generated: embeddings
-        if prompt_tokens <= max_model_len:
-            return None
-        message = (
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens} tokens in the {where}. Please reduce the length of the {where}."
-        )
-    else:
-        if prompt_tokens + max_tokens <= max_model_len:
-            return None
-        message = (
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} in the "
-            f"completion). Please reduce the length of the {where} or completion."
-        )
-    return ContextLengthExceeded(message, param=where)
+    message = context_length_error(max_model_len, prompt_tokens, max_tokens, where)
+    return None if message is None else ContextLengthExceeded(message, param=where)
 
 
 def format_loc(loc: tuple[Any, ...]) -> str | None:

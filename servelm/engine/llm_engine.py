@@ -13,6 +13,7 @@ from itertools import count
 
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.config import EngineConfig
+from servelm.engine.context_limit import context_length_error
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.model_runner import ModelRunner, StepResult
 from servelm.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
@@ -26,24 +27,6 @@ logger = logging.getLogger(__name__)
 
 class PromptTooLongError(ValueError):
     """The prompt plus the requested completion exceed the model's context."""
-
-    def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int | None):
-        self.max_model_len = max_model_len
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
-        if max_tokens is None:
-            msg = (
-                f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-                f"has {prompt_tokens} tokens, which leaves no room for a completion. Please reduce the "
-                f"length of the prompt."
-            )
-        else:
-            msg = (
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
-                f"completion). Please reduce the length of the prompt or the completion."
-            )
-        super().__init__(msg)
 
 
 class InvalidPromptError(ValueError):
@@ -128,8 +111,9 @@ class LLMEngine:
         if not token_ids:
             raise InvalidPromptError("the prompt is empty")
         n = len(token_ids)
-        if n >= self.max_model_len or (params.max_tokens is not None and n + params.max_tokens > self.max_model_len):
-            raise PromptTooLongError(self.max_model_len, n, params.max_tokens)
+        too_long = context_length_error(self.max_model_len, n, params.max_tokens, "prompt")
+        if too_long is not None:
+            raise PromptTooLongError(too_long)
         max_tokens = self._max_tokens(n, params)
         if max_tokens < 1 or not self.scheduler.can_ever_fit(n + max_tokens):
             capacity = self.block_manager.num_blocks * self.config.block_size
