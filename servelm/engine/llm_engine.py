@@ -224,7 +224,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        scheduled = out.prefills + out.decodes
+        scheduled = out.scheduled
         sampling = {s.seq.seq_id: self._seqs[s.seq.seq_id].sampling for s in scheduled if s.samples}
         want_prompt_logprobs = {}
         for s in out.prefills:

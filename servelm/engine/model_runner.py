@@ -101,7 +101,7 @@ class ModelRunner:
         this step; ``want_prompt_logprobs`` maps seq_id to k for prefill
         chunks whose prompt logprobs are wanted.
         """
-        scheduled = out.prefills + out.decodes
+        scheduled = out.scheduled
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -203,7 +203,7 @@ class Scheduler:
         The engine then appends sampled tokens to the sequences whose chunk
         ``samples``, checks stop conditions and calls :meth:`finish`.
         """
-        for sched in out.prefills + out.decodes:
+        for sched in out.scheduled:
             seq = sched.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
