@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from servelm.engine.outputs import EmbeddingOutput, RequestOutput
+from servelm.engine.outputs import EmbeddingOutput, EngineStats, RequestOutput
 from servelm.engine.sampling_params import SamplingParams
 
 
@@ -90,6 +90,12 @@ class Connector(Protocol):
         """True once every model is loaded and the engine loop is alive."""
         ...
 
+    async def fatal_error(self) -> str | None:
+        """Why the connector can never serve again (its engine loop died, its
+        models failed to load), or None. The server exits when this is set.
+        """
+        ...
+
     def generate(
         self,
         model: str,
@@ -112,6 +118,10 @@ class Connector(Protocol):
         Called before every generation request, so it must be cheap and
         must not wait on the engine.
         """
+        ...
+
+    async def engine_stats(self) -> list[EngineStats]:
+        """Each engine's gauges and running totals (for /metrics; empty before loading). Cheap."""
         ...
 
     async def embed(self, model: str, inputs: list[str] | list[list[int]]) -> list[EmbeddingOutput]: ...

@@ -17,10 +17,15 @@ from servelm.connectors.base import (
     QueueDepth,
 )
 from servelm.engine.config import EngineConfig
-from servelm.engine.outputs import EmbeddingOutput, RequestOutput
+from servelm.engine.outputs import EmbeddingOutput, EngineStats, RequestOutput
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
+
+
+def _engine_dead(exc: Exception) -> ConnectorError:
+    # The server exits on a dead engine; until then its requests get a 503.
+    return ConnectorError(f"The engine is down: {exc}", status=503, type="service_unavailable_error", code="engine_dead")
 
 
 class LocalConnector:
@@ -45,13 +50,23 @@ class LocalConnector:
         self.embedder = None  # EmbeddingEngine once loaded
         self._embed_lock = threading.Lock()  # the encoder runs one batch at a time
         self._loaded = False
+        self._load_error: str | None = None
         self._created = int(time.time())
 
     # -- lifecycle -----------------------------------------------------
 
     def load(self, progress: Callable[[str], None] | None = None) -> None:
-        """Load the models and start the engine loop (blocking)."""
-        say = progress or logger.info
+        """Load the models and start the engine loop (blocking).
+
+        A failure is re-raised and also kept for :meth:`fatal_error`.
+        """
+        try:
+            self._load(progress or logger.info)
+        except Exception as exc:
+            self._load_error = f"could not load the models: {exc}"
+            raise
+
+    def _load(self, say: Callable[[str], None]) -> None:
         if self.model is not None:
             from servelm.engine.async_engine import AsyncLLMEngine
             from servelm.engine.llm_engine import LLMEngine
@@ -127,9 +142,24 @@ class LocalConnector:
             return False
         return self.engine is None or self.engine.is_alive
 
+    async def fatal_error(self) -> str | None:
+        if self._load_error is not None:
+            return self._load_error
+        engine = self.engine
+        if engine is not None and engine.dead_error is not None:
+            return f"the engine loop died: {engine.dead_error!r}"
+        return None
+
+    async def engine_stats(self) -> list[EngineStats]:
+        """The engine's figures, read without its lock (see :meth:`queue_depth`)."""
+        if self.engine is None:
+            return []
+        return [self.engine.engine.stats(self.served_model_name)]
+
     async def generate(
         self, model: str, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
+        from servelm.engine.async_engine import EngineDeadError
         from servelm.engine.llm_engine import InvalidPromptError, PromptTooLongError
 
         engine = self._llm(model)
@@ -142,10 +172,14 @@ class LocalConnector:
             raise ConnectorError(str(exc), param=exc.param) from None
         except InvalidPromptError as exc:
             raise ConnectorError(str(exc), param="prompt") from None
+        except EngineDeadError as exc:
+            raise _engine_dead(exc) from None
         try:
             yield first
             async for out in stream:
                 yield out
+        except EngineDeadError as exc:
+            raise _engine_dead(exc) from None
         finally:
             await stream.aclose()
 

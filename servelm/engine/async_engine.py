@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -43,7 +44,8 @@ class AsyncLLMEngine:
         self._idle_wait_s = idle_wait_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: list[tuple[str, list[int], str | None, SamplingParams]] = []
+        # (request id, prompt ids, prompt text, params, arrival time)
+        self._inbox: list[tuple[str, list[int], str | None, SamplingParams, float]] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._stop = False
@@ -93,7 +95,8 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-            self._inbox.append((request_id, token_ids, prompt if isinstance(prompt, str) else None, params))
+            text = prompt if isinstance(prompt, str) else None
+            self._inbox.append((request_id, token_ids, text, params, time.monotonic()))
         self._wake.set()
         finished = False
         try:
@@ -144,9 +147,11 @@ class AsyncLLMEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
-        for request_id, token_ids, prompt, params in inbox:
+        for request_id, token_ids, prompt, params, arrival in inbox:
             try:
-                self.engine.add_request(request_id, prompt if prompt is not None else token_ids, params, token_ids)
+                self.engine.add_request(
+                    request_id, prompt if prompt is not None else token_ids, params, token_ids, arrival_time=arrival
+                )
             except Exception as exc:  # noqa: BLE001 - reported to that request only
                 self._deliver(request_id, exc)
         for request_id in aborts:

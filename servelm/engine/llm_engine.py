@@ -16,7 +16,7 @@ from servelm.engine.config import EngineConfig
 from servelm.engine.context_limit import context_length_error
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.model_runner import ModelRunner, StepResult
-from servelm.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from servelm.engine.outputs import CompletionOutput, EngineStats, PositionLogprobs, RequestOutput, TokenLogprob
 from servelm.engine.sampler import SamplingState, make_generator
 from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.scheduler import Scheduler
@@ -60,6 +60,7 @@ class _Request:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -217,6 +218,23 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def stats(self, model: str) -> EngineStats:
+        """The engine's gauges and running totals, labelled ``model``.
+
+        Plain reads of counters: safe to call from another thread, where
+        the figures are a snapshot that may be one step old.
+        """
+        bm = self.block_manager
+        return EngineStats(
+            model=model,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
     # -- the step ------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -225,6 +243,11 @@ class LLMEngine:
         if out.is_empty:
             return []
         scheduled = out.scheduled
+        now = time.monotonic()
+        for s in out.prefills:
+            req = self.requests[s.seq.request_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
         sampling = {s.seq.seq_id: self._seqs[s.seq.seq_id].sampling for s in scheduled if s.samples}
         want_prompt_logprobs = {}
         for s in out.prefills:
@@ -349,4 +372,5 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
             num_generated_tokens=sum(len(c.output.token_ids) for c in req.choices),
             error=req.error,
+            queue_time=None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time,
         )

@@ -67,6 +67,28 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     error: str | None = None  # set when the request failed inside the engine
+    # Seconds from the engine receiving the request to its first scheduling
+    # (None until then): the queue time of the request.
+    queue_time: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine's state and running totals, for metrics.
+
+    ``num_running``/``num_waiting`` count sequences; ``kv_cache_usage`` is the
+    fraction of KV blocks held by sequences (free blocks kept for the prefix
+    cache do not count); the prefix-cache figures count prompt tokens looked
+    up and found since the engine started.
+    """
+
+    model: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -111,4 +133,5 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     total.num_cached_tokens = delta.num_cached_tokens
     total.num_generated_tokens = delta.num_generated_tokens
     total.error = delta.error
+    total.queue_time = delta.queue_time
     return total

@@ -74,6 +74,22 @@ def test_prefix_cache_reuses_blocks(llm):
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+def test_stats_count_prefix_cache_lookups_and_queue_time(llm):
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("Another shared prefix for the statistics. " * 8)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    before = engine.stats("m")
+    outs = llm.generate([prompt, prompt], params)
+    after = engine.stats("m")
+    assert after.model == "m"
+    # Every prompt token is looked up once; the second request's hits are its cached tokens.
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 2 * len(prompt)
+    assert after.prefix_cache_hits - before.prefix_cache_hits == sum(o.num_cached_tokens for o in outs)
+    assert (after.num_running, after.num_waiting, after.kv_cache_usage) == (0, 0, 0.0)
+    for out in outs:
+        assert out.queue_time is not None and out.queue_time >= 0
+
+
 def test_preemption_gives_same_output():
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     roomy = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=256 << 20)
