@@ -8,12 +8,16 @@ engine (and so torch) is imported only when ``serve`` actually starts.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 import httpx
@@ -101,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-waiting", metavar="N", help=f"most requests waiting to start in the engine; past it new requests get 429 with Retry-After (default: {d('max_waiting')})")
     g.add_argument("--queue-timeout", metavar="SECONDS", help=f"a request still waiting to start after this long is aborted and gets 429 with Retry-After (default: {d('queue_timeout'):g})")
     g.add_argument("--request-timeout", metavar="SECONDS", help="a request running longer than this is aborted and gets 408 request_timeout (a stream: an error event, then [DONE]) (default: no limit)")
+    g.add_argument("--shutdown-timeout", metavar="SECONDS", help=f"on SIGTERM or Ctrl-C: stop admitting (503 with Retry-After), give requests in flight this long to finish, abort the rest with an error, exit 0; a second signal stops at once (default: {d('shutdown_timeout'):g})")
     g = serve.add_argument_group("rate limits", "Per API key (per client address when no keys are set), on /v1/chat/completions, /v1/completions and /v1/embeddings; per-key overrides go in the config file (rate_limits.keys). Off by default.")
     g.add_argument("--rate-limit-rpm", metavar="N", help="requests per minute for each client (default: unlimited)")
     g.add_argument("--rate-limit-tpm", metavar="N", help="tokens per minute for each client: prompt plus max_tokens reserved, corrected to actual use (default: unlimited)")
@@ -182,21 +187,77 @@ def describe_validation_error(exc: ValidationError) -> str:
     return "; ".join(lines)
 
 
-class _ReadyServer(uvicorn.Server):
-    """uvicorn's server, calling ``on_ready`` once its sockets listen."""
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server with servelm's lifecycle.
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None] | None):
+    Once its sockets listen it calls ``on_listen`` and starts ``watchdog``.
+    The first SIGTERM or SIGINT runs ``drain`` (when given) instead of
+    stopping at once; the server stops when the drain ends. A second signal
+    is uvicorn's own: stop now.
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_listen: Callable[[], None] | None,
+        drain: Callable[[], Awaitable[None]] | None = None,
+        watchdog: Callable[[], Awaitable[None]] | None = None,
+    ):
         super().__init__(config)
-        self.on_ready = on_ready
+        self.on_listen = on_listen
+        self.drain = drain
+        self.watchdog = watchdog
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
-        if self.started and self.on_ready is not None:
-            self.on_ready()
+        if not self.started:
+            return
+        self._loop = asyncio.get_running_loop()
+        if self.on_listen is not None:
+            self.on_listen()
+        if self.watchdog is not None:
+            self._spawn(self.watchdog())
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # keep a reference: the loop holds tasks only weakly
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            assert self.drain is not None
+            await self.drain()
+        finally:
+            self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain is None or self._loop is None or self._draining or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        if sig == signal.SIGINT:
+            # Ctrl-C still ends as a KeyboardInterrupt once the drain is over
+            # (uvicorn re-raises the signals it captured); SIGTERM ends with 0.
+            self._captured_signals.append(sig)
+        # A signal handler must not touch the loop directly.
+        self._loop.call_soon_threadsafe(self._spawn, self._drain_then_exit())
+
+
+# How often the server checks that its engine still lives.
+_WATCHDOG_INTERVAL_S = 0.5
 
 
 class ServelmServer:
-    """The HTTP server of ``servelm serve``: uvicorn, reporting its URL once it listens."""
+    """The HTTP server of ``servelm serve``: uvicorn around an app from ``create_app``.
+
+    It reports its URL once it listens (``on_ready``), drains on SIGTERM or
+    Ctrl-C (``settings.shutdown_timeout``), and stops with ``exit_code`` 1
+    when the connector reports a fatal error (its engine loop died, its
+    models failed to load) rather than serving errors forever.
+    """
 
     def __init__(self, app: FastAPI, settings: Settings, on_ready: Callable[[str], None] | None = None):
         self.config = uvicorn.Config(
@@ -208,10 +269,19 @@ class ServelmServer:
             # and in JSON mode uvicorn's lines go through the same JSON handler.
             access_log=False,
             log_config=None if settings.log_format == "json" else LOGGING_CONFIG,
-            timeout_graceful_shutdown=10,
+            # The drain has already let requests finish; this only bounds closing the rest.
+            timeout_graceful_shutdown=5,
         )
-        self.server = _ReadyServer(self.config, (lambda: on_ready(self.url)) if on_ready is not None else None)
+        self.ctx = app.state.servelm.ctx
         self.settings = settings
+        self.exit_code = 0
+        self.fatal_error: str | None = None
+        self.server = _Uvicorn(
+            self.config,
+            (lambda: on_ready(self.url)) if on_ready is not None else None,
+            drain=self._drain,
+            watchdog=self._watchdog,
+        )
 
     @property
     def url(self) -> str:
@@ -225,13 +295,34 @@ class ServelmServer:
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{port}"
 
-    def run(self) -> None:
-        """Serve until interrupted."""
+    async def _drain(self) -> None:
+        timeout = self.settings.shutdown_timeout
+        logging.getLogger("servelm").info("shutting down: draining for up to %g s", timeout)
+        await self.ctx.lifecycle.drain(timeout)
+
+    async def _watchdog(self) -> None:
+        while not self.server.should_exit:
+            await asyncio.sleep(_WATCHDOG_INTERVAL_S)
+            fatal = await self.ctx.connector.fatal_error()
+            if fatal is not None:
+                logging.getLogger("servelm").error("stopping the server: %s", fatal)
+                self.fatal_error = fatal
+                self.exit_code = 1
+                self.server.should_exit = True
+                return
+
+    def run(self) -> int:
+        """Serve until a signal (and its drain) or a fatal engine error; returns the exit status."""
         self.server.run()
+        return self.exit_code
 
 
 def serve(settings: Settings, out: TextIO = sys.stderr) -> int:
-    """Load the models, then serve until interrupted."""
+    """Listen at once, load the models in the background, serve until SIGTERM/Ctrl-C or a fatal error.
+
+    While the models load, /health and /ready answer 503 and requests get
+    503 ``model_not_ready``. A load failure stops the server with status 1.
+    """
     from servelm.api.access_log import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
@@ -258,22 +349,30 @@ def serve(settings: Settings, out: TextIO = sys.stderr) -> int:
         settings.engine_config(),
         served_model_name=settings.served_model_name,
     )
-    try:
+    listening = threading.Event()
+    app = create_app(connector, settings)
+    server = ServelmServer(app, settings, on_ready=lambda url: listening.set())
+
+    def load() -> None:
         say(f"loading {settings.model}" + (f" and {settings.embedding_model}" if settings.embedding_model else ""))
         try:
             connector.load(progress=say)
         except Exception as exc:
             logging.getLogger("servelm").debug("loading failed", exc_info=True)
             say(f"error: could not load the models: {exc}")
-            return 1
-        app = create_app(connector, settings)
-        server = ServelmServer(app, settings, on_ready=lambda url: say(f"ready: {url} (OpenAI base URL {url}/v1)"))
-        server.run()
+            return  # the server's watchdog sees connector.fatal_error() and exits 1
+        listening.wait()
+        url = server.url
+        say(f"ready: {url} (OpenAI base URL {url}/v1)")
+
+    # A daemon thread: a signal during loading must not wait for the weights.
+    threading.Thread(target=load, name="servelm-load", daemon=True).start()
+    try:
+        return server.run()
     except KeyboardInterrupt:
         return 130
     finally:
         connector.shutdown()
-    return 0
 
 
 def _base_url(url: str) -> str:

@@ -193,6 +193,9 @@ class Settings(BaseSettings):
     request_timeout: float | None = Field(
         None, ge=0, description="Seconds a request may run before it is aborted with a timeout error."
     )
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="On SIGTERM or Ctrl-C: seconds requests in flight get to finish before they are aborted."
+    )
 
     # rate limits
     rate_limits: RateLimits = Field(default_factory=RateLimits)

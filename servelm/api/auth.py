@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from servelm.api.errors import error_response
 
 # Probes must work without a key: load balancers and orchestrators poll them.
-ALWAYS_OPEN = frozenset({"/health", "/ping"})
+ALWAYS_OPEN = frozenset({"/health", "/ready", "/ping"})
 
 
 def key_matches(presented: str, keys: Iterable[bytes]) -> bool:

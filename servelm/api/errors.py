@@ -64,6 +64,23 @@ class ServerOverloaded(APIError):
         )
 
 
+class ServerShuttingDown(APIError):
+    """503 ``server_shutting_down``: the server is draining before it exits.
+
+    New requests get it at once; requests still running when the shutdown
+    timeout ends get it as their error. ``Retry-After`` points clients at
+    another replica or the restarted server.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The server is shutting down and takes no new work. Retry after the time in the Retry-After header.",
+            status=503,
+            code="server_shutting_down",
+            headers={"Retry-After": "5"},
+        )
+
+
 class RequestTimedOut(APIError):
     """408 ``request_timeout``: the request ran longer than ``request_timeout`` and was aborted."""
 

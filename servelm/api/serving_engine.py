@@ -9,12 +9,13 @@ import importlib.metadata
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from servelm.api.errors import APIError, ClientDisconnected
+from servelm.api.errors import APIError, ClientDisconnected, ServerShuttingDown
+from servelm.api.lifecycle import Lifecycle
 from servelm.api.metrics import Metrics
 from servelm.api.protocol import ChatMessage, SamplingFields
 from servelm.connectors.base import Connector, ConnectorError, ModelCard, ModelNotFound
@@ -40,10 +41,25 @@ class ServingContext:
 
     connector: Connector
     metrics: Metrics
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
     chat_template: str | None = None
     clock: Callable[[], float] = time.time
     new_id: Callable[[], str] = lambda: uuid.uuid4().hex
     version: str = "0.0.0+unknown"
+
+
+async def not_ready_error(connector: Connector) -> APIError:
+    """The 503 for a connector that is not healthy: still loading (``model_not_ready``,
+    with Retry-After) or down for good (``engine_dead``)."""
+    fatal = await connector.fatal_error()
+    if fatal is not None:
+        return APIError(f"The engine is down: {fatal}.", status=503, code="engine_dead")
+    return APIError(
+        "The server is not ready: models are still loading. Retry shortly.",
+        status=503,
+        code="model_not_ready",
+        headers={"Retry-After": "5"},
+    )
 
 
 class OpenAIServing:
@@ -54,14 +70,12 @@ class OpenAIServing:
         self.connector = ctx.connector
 
     async def require_ready(self) -> None:
-        """503 while the connector is still loading (or its engine is down)."""
+        """503 while the server drains, while the connector is still loading, or once its engine is down."""
+        if self.ctx.lifecycle.draining:
+            self.ctx.metrics.admission_rejections.labels("server_shutting_down").inc()
+            raise ServerShuttingDown()
         if not await self.connector.health():
-            raise APIError(
-                "The server is not ready: models are still loading or the engine is down. Retry shortly.",
-                status=503,
-                code="model_not_ready",
-                headers={"Retry-After": "5"},
-            )
+            raise await not_ready_error(self.connector)
 
     async def model_card(self, name: str | None, kind: str | None) -> ModelCard:
         """The served model called ``name`` (None: the first of ``kind``).

@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from servelm.api.access_log import request_record
 from servelm.api.errors import APIError, RequestTimedOut, ServerOverloaded, api_error_from, error_body
-from servelm.api.metrics import Metrics
+from servelm.api.metrics import Metrics, RequestRecorder
 from servelm.api.protocol import (
     ChatLogprobEntry,
     ChatLogprobTop,
@@ -139,6 +139,7 @@ class GenerationRun:
         self.metrics = metrics
         self.max_model_len = max_model_len
         self.admitted = False  # the engine took every prompt (start() returned)
+        self.received_at = time.perf_counter()  # when the API got the request (respond() sets the exact time)
         self.first_token_at: float | None = None  # time.perf_counter() at the first generated token
         self.request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self.prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(prompts)
@@ -153,6 +154,9 @@ class GenerationRun:
         self._closed = False
         self._deadline: float | None = None  # loop time when request_timeout expires
         self._request_timeout = 0.0
+        self._timeout: asyncio.Timeout | None = None  # the wait in progress, if any
+        self._interrupted: BaseException | None = None
+        self._recorders: list[RequestRecorder] = []
 
     @property
     def prompt_tokens(self) -> int:
@@ -204,6 +208,7 @@ class GenerationRun:
             # tasks and counts as one request here: the limit is approximate.
             depth = await self.connector.queue_depth()
             if depth.waiting >= admission.max_waiting:
+                self.metrics.admission_rejections.labels("queue_full").inc()
                 raise ServerOverloaded(
                     f"The server is at capacity: {depth.waiting} requests are already waiting. "
                     "Retry after the time in the Retry-After header.",
@@ -220,9 +225,9 @@ class GenerationRun:
         if queue_deadline is not None and (first_deadline is None or queue_deadline < first_deadline):
             first_deadline = queue_deadline
         self._started = True
-        self.metrics.running.labels(self.model).inc()
+        self._recorders = [RequestRecorder(self.metrics, self.model, len(p), self.received_at) for p in self.prompts]
         try:
-            timeout = asyncio.timeout_at(first_deadline)
+            timeout = self._timeout = asyncio.timeout_at(first_deadline if self._interrupted is None else 0.0)
             try:
                 async with timeout:
                     await self._first_outputs()
@@ -231,7 +236,10 @@ class GenerationRun:
                     raise
                 # The prompts not yet answered keep _finished False, so
                 # close() (below) aborts them in the engine.
+                if self._interrupted is not None:
+                    raise self._interrupted from None
                 if first_deadline == queue_deadline:
+                    self.metrics.admission_rejections.labels("queue_timeout").inc()
                     raise ServerOverloaded(
                         f"The request waited {admission.queue_timeout:g} s in the server's queue without "
                         "starting; the server is at capacity. Retry after the time in the Retry-After header.",
@@ -239,6 +247,8 @@ class GenerationRun:
                         retry_after_s=retry_after(_RETRY_AFTER_S),
                     ) from None
                 raise RequestTimedOut(self._request_timeout) from None
+            finally:
+                self._timeout = None
         except BaseException:
             await self.close()
             raise
@@ -306,9 +316,11 @@ class GenerationRun:
             i, item = await self._next(self._queue.get())
             if isinstance(item, BaseException):
                 self._finished[i] = True
+                self._recorders[i].end("error")
                 raise item
             if item is None:
                 self._finished[i] = True  # ended without finished=True: take it as done
+                self._recorders[i].end()
                 continue
             yield i, item
 
@@ -316,29 +328,47 @@ class GenerationRun:
         # Each fetch gets the time left before the request timeout, rather
         # than one timeout around the generator, so the cancellation never
         # lands while the consumer (the response writer) holds control.
-        timeout = asyncio.timeout_at(self._deadline)
+        deadline = self._deadline if self._interrupted is None else 0.0
+        timeout = self._timeout = asyncio.timeout_at(deadline)
         try:
             async with timeout:
                 return await awaitable
         except TimeoutError:
             if timeout.expired():
                 # Unfinished prompts keep _finished False: close() aborts them.
+                if self._interrupted is not None:
+                    raise self._interrupted from None
                 raise RequestTimedOut(self._request_timeout) from None
             raise
+        finally:
+            self._timeout = None
+
+    def interrupt(self, exc: BaseException) -> None:
+        """End the run with ``exc`` at its current (or next) wait for output (server shutdown).
+
+        The prompts still running are aborted by :meth:`close` as after a timeout.
+        """
+        self._interrupted = exc
+        if self._timeout is not None:
+            self._timeout.reschedule(asyncio.get_running_loop().time())
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """The choices' deltas as they arrive; raises EngineRequestError on an engine failure."""
         n = self.params.n
         async for i, out in self._outputs():
+            recorder = self._recorders[i]
             if out.error:
                 self._finished[i] = True
+                recorder.end("error")
                 raise EngineRequestError(out.error)
             if out.prompt_logprobs is not None and self.prompt_logprobs[i] is None:
                 self.prompt_logprobs[i] = out.prompt_logprobs
             self.cached_tokens[i] = max(self.cached_tokens[i], out.num_cached_tokens)
             new_tokens = 0
+            finish_reason = None
             for c in out.outputs:
                 new_tokens += len(c.token_ids)
+                finish_reason = c.finish_reason or finish_reason
                 yield ChoiceDelta(
                     index=i * n + c.index,
                     prompt_index=i,
@@ -347,15 +377,17 @@ class GenerationRun:
                     logprobs=c.logprobs,
                     finish_reason=c.finish_reason,
                 )
+            recorder.output(new_tokens, out.queue_time, finish_reason)
             if new_tokens:
                 if self.first_token_at is None:
                     self.first_token_at = time.perf_counter()
                 self.completion_tokens += new_tokens
-                self.metrics.generation_tokens.labels(self.model).inc(new_tokens)
             if out.finished:
                 self._finished[i] = True
+                recorder.end()
         if self._queue is None:
             self._finished[0] = True
+            self._recorders[0].end()
 
     async def collect(self) -> list[ChoiceResult]:
         """Run to the end and return every choice, ordered by index."""
@@ -395,13 +427,13 @@ class GenerationRun:
                         await aclose()
                     except Exception:
                         logger.exception("closing the output stream of %s failed", self.request_ids[0])
-            for request_id, finished in zip(self.request_ids, self._finished):
+            for request_id, finished, recorder in zip(self.request_ids, self._finished, self._recorders):
                 if not finished:
+                    recorder.end("abort")
                     try:
                         await self.connector.abort(self.model, request_id)
                     except Exception:
                         logger.exception("aborting request %s failed", request_id)
-            self.metrics.running.labels(self.model).dec()
 
 
 class ResponseFormatter(Protocol):
@@ -442,12 +474,17 @@ class GenerationServing(OpenAIServing):
         ticket = rate_limit_ticket(raw_request)
         if ticket is not None:
             await ticket.reserve_tokens(run.max_total_tokens)
+        record = request_record(raw_request)
+        if record is not None:
+            run.received_at = record.started
+        lifecycle = self.ctx.lifecycle
+        lifecycle.track(run)
 
         async def finish() -> None:
             # Runs once the run is over, however it ended.
             with anyio.CancelScope(shield=True):
                 await run.close()
-                record = request_record(raw_request)
+                lifecycle.untrack(run)
                 if record is not None:
                     record.prompt_tokens = run.prompt_tokens
                     record.completion_tokens = run.completion_tokens

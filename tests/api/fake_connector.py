@@ -20,6 +20,7 @@ from servelm.connectors.base import ConnectorError, ContextLengthExceeded, Model
 from servelm.engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
+    EngineStats,
     PositionLogprobs,
     RequestOutput,
     TokenLogprob,
@@ -27,6 +28,7 @@ from servelm.engine.outputs import (
 from servelm.engine.sampling_params import SamplingParams
 
 BOS, EOS, OFFSET = 1, 2, 3
+QUEUE_TIME = 0.25  # what every output reports as the request's queue time
 VOCAB_SIZE = 256 + OFFSET
 CHAT_MODEL = "fake-chat"
 EMBED_MODEL = "fake-embed"
@@ -70,6 +72,7 @@ class FakeConnector:
     reply_text: str = "Hello world"
     max_model_len: int = 256
     healthy: bool = True
+    fatal: str | None = None  # what fatal_error() reports
     # knobs
     script: list[RequestOutput] | None = None  # emitted verbatim instead of generating
     error_after: int | None = None  # emit RequestOutput.error after this many outputs
@@ -112,6 +115,12 @@ class FakeConnector:
 
     async def health(self) -> bool:
         return self.healthy
+
+    async def fatal_error(self) -> str | None:
+        return self.fatal
+
+    async def engine_stats(self) -> list[EngineStats]:
+        return [EngineStats(CHAT_MODEL, num_running=self.running, num_waiting=self.waiting)]
 
     def generate(
         self, model: str, request_id: str, prompt: str | list[int], params: SamplingParams
@@ -182,6 +191,7 @@ class FakeConnector:
                 prompt_logprobs=prompt_logprobs if step == 1 else None,
                 num_cached_tokens=2 if step == 1 else 0,
                 num_generated_tokens=generated,
+                queue_time=QUEUE_TIME,
             )
             if finished:
                 return

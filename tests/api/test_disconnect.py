@@ -79,12 +79,14 @@ async def test_disconnect_aborts_every_prompt(fake):
     assert sorted(fake.aborted) == ["cmpl-test-0", "cmpl-test-1"]
 
 
-async def test_metrics_gauge_returns_to_zero_after_abort(fake):
+async def test_metrics_count_a_disconnect_as_an_abort(fake):
     fake.hold_after = 1
     app = make_app(fake)
     await disconnect_when_held(fake, app, "/v1/chat/completions", {**CHAT, "stream": True})
     text = app.state.servelm.ctx.metrics.render().decode()
-    assert 'servelm_generation_requests_running{model="fake-chat"} 0.0' in text
+    assert 'servelm:request_success_total{finished_reason="abort",model_name="fake-chat"} 1.0' in text
+    # An aborted request has no end-to-end latency.
+    assert "servelm:e2e_request_latency_seconds_count{" not in text
 
 
 def test_real_socket_disconnect_aborts(fake):

@@ -52,6 +52,7 @@ async def test_every_route_needs_the_key(fake, path):
 async def test_probes_stay_open(authed):
     assert (await authed.get("/health")).status_code == 200
     assert (await authed.get("/ping")).status_code == 200
+    assert (await authed.get("/ready")).status_code == 200
 
 
 async def test_metrics_auth_is_configurable(authed, fake):
@@ -64,7 +65,7 @@ async def test_metrics_auth_is_configurable(authed, fake):
 async def test_rejected_requests_are_counted_by_route(authed):
     await authed.post("/v1/chat/completions", json=CHAT)
     text = (await authed.get("/metrics")).text
-    assert 'servelm_http_requests_total{method="POST",route="/v1/chat/completions",status="401"} 1.0' in text
+    assert 'servelm:http_requests_total{method="POST",route="/v1/chat/completions",status="401"} 1.0' in text
 
 
 def test_key_matches_constant_time_helper():

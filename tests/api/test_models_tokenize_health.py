@@ -93,13 +93,13 @@ async def test_metrics_counts_requests_and_tokens(client):
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     text = r.text
-    assert 'servelm_http_requests_total{method="POST",route="/v1/completions",status="200"} 1.0' in text
-    assert 'servelm_http_requests_total{method="POST",route="/v1/completions",status="404"} 1.0' in text
-    assert 'servelm_http_requests_total{method="GET",route="/v1/models/{model_id:path}",status="200"} 1.0' in text
-    assert 'servelm_http_requests_total{method="GET",route="unmatched",status="404"} 1.0' in text
-    assert 'servelm_prompt_tokens_total{model="fake-chat"} 3.0' in text
-    assert 'servelm_generation_tokens_total{model="fake-chat"} 4.0' in text
-    assert 'servelm_generation_requests_running{model="fake-chat"} 0.0' in text
+    assert 'servelm:http_requests_total{method="POST",route="/v1/completions",status="200"} 1.0' in text
+    assert 'servelm:http_requests_total{method="POST",route="/v1/completions",status="404"} 1.0' in text
+    assert 'servelm:http_requests_total{method="GET",route="/v1/models/{model_id:path}",status="200"} 1.0' in text
+    assert 'servelm:http_requests_total{method="GET",route="unmatched",status="404"} 1.0' in text
+    assert 'servelm:prompt_tokens_total{model_name="fake-chat"} 3.0' in text
+    assert 'servelm:generation_tokens_total{model_name="fake-chat"} 4.0' in text
+    assert 'servelm:num_requests_running{model_name="fake-chat"} 0.0' in text
 
 
 async def test_each_app_has_its_own_registry(fake):

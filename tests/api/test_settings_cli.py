@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -248,8 +249,11 @@ def test_chat_cli_with_auth(fake):
         assert "Hello world" in out.getvalue()
 
 
-def test_serve_loads_then_listens_and_shuts_down(tmp_path, monkeypatch):
-    """The whole `serve` path with the engine replaced by the fake: load, ready line, shutdown."""
+def test_serve_listens_while_loading_then_drains_on_sigterm(tmp_path, monkeypatch):
+    """The whole `serve` path with the engine replaced by the fake: 503 while loading, ready line, drain, exit 0."""
+    import signal
+    import threading
+
     import httpx
 
     import servelm.connectors.local as local
@@ -257,6 +261,7 @@ def test_serve_loads_then_listens_and_shuts_down(tmp_path, monkeypatch):
     from .fake_connector import FakeConnector
 
     events: list[str] = []
+    loaded = threading.Event()
 
     class FakeLocal(FakeConnector):
         def __init__(self, model, embedding_model, engine_config, served_model_name=None):
@@ -265,37 +270,43 @@ def test_serve_loads_then_listens_and_shuts_down(tmp_path, monkeypatch):
 
         def load(self, progress=None):
             progress("loading fake weights")
+            assert loaded.wait(timeout=20)
             self.healthy = True
 
         def shutdown(self):
             events.append("shutdown")
 
-    class OneRequestServer(cli.ServelmServer):
+    class SigtermServer(cli.ServelmServer):
         def __init__(self, app, settings, on_ready=None):
-            import threading
-
-            self.ready = threading.Event()
+            self.listening = threading.Event()
 
             def ready(url: str) -> None:
                 on_ready(url)
-                self.ready.set()
+                self.listening.set()
 
             super().__init__(app, settings, on_ready=ready)
 
         def run(self):
-            import threading
-
-            # uvicorn blocks: serve it in a thread, answer one request once the
-            # ready line is out, then stop it as Ctrl-C would.
-            thread = threading.Thread(target=super().run)
+            # uvicorn blocks: serve it in a thread, probe it while the fake
+            # loads and once it has, then send it SIGTERM's handler.
+            codes: list[int] = []
+            thread = threading.Thread(target=lambda: codes.append(super(SigtermServer, self).run()))
             thread.start()
-            assert self.ready.wait(timeout=20)
-            events.append(str(httpx.get(self.url + "/health").status_code))
-            self.server.should_exit = True
+            assert self.listening.wait(timeout=20)
+            for probe in ("/health", "/ready"):
+                events.append(f"{probe} {httpx.get(self.url + probe).status_code}")
+            loaded.set()
+            deadline = time.monotonic() + 20
+            while httpx.get(self.url + "/ready").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            events.append("ready 200")
+            self.server.handle_exit(signal.SIGTERM, None)
             thread.join(timeout=20)
+            return codes[0]
 
     monkeypatch.setattr(local, "LocalConnector", FakeLocal)
-    monkeypatch.setattr(cli, "ServelmServer", OneRequestServer)
+    monkeypatch.setattr(cli, "ServelmServer", SigtermServer)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     out = io.StringIO()
@@ -305,19 +316,22 @@ def test_serve_loads_then_listens_and_shuts_down(tmp_path, monkeypatch):
     assert lines[0].startswith("servelm: loading ")
     assert lines[1] == "servelm: loading fake weights"
     assert lines[2].startswith("servelm: ready: http://127.0.0.1:") and lines[2].endswith("/v1)")
-    assert events == ["init 5", "200", "shutdown"]
+    assert events == ["init 5", "/health 503", "/ready 503", "ready 200", "shutdown"]
 
 
-def test_serve_reports_a_failed_load(tmp_path, monkeypatch):
+def test_serve_exits_1_when_the_load_fails(tmp_path, monkeypatch):
     import servelm.connectors.local as local
+
+    from .fake_connector import FakeConnector
 
     events: list[str] = []
 
-    class Broken:
+    class Broken(FakeConnector):
         def __init__(self, *args, **kwargs):
-            pass
+            super().__init__(healthy=False)
 
         def load(self, progress=None):
+            self.fatal = "could not load the models: weights are corrupt"
             raise RuntimeError("weights are corrupt")
 
         def shutdown(self):
@@ -327,6 +341,8 @@ def test_serve_reports_a_failed_load(tmp_path, monkeypatch):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     out = io.StringIO()
-    assert cli.serve(Settings(model=str(model), embedding_model=None), out=out) == 1
+    settings = Settings(model=str(model), embedding_model=None, port=0, log_level="critical")
+    assert cli.serve(settings, out=out) == 1
     assert "could not load the models: weights are corrupt" in out.getvalue()
+    assert "ready:" not in out.getvalue()
     assert events == ["shutdown"]

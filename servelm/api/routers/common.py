@@ -14,7 +14,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
     404: {"model": ErrorResponse, "description": "Unknown model."},
     413: {"model": ErrorResponse, "description": "Request body too large."},
-    503: {"model": ErrorResponse, "description": "Models are still loading."},
+    408: {"model": ErrorResponse, "description": "The request ran past the server's request timeout."},
+    429: {"model": ErrorResponse, "description": "Rate limit hit, or the server's queue is full (see Retry-After)."},
+    503: {"model": ErrorResponse, "description": "Models are still loading, the server is shutting down, or the engine is down."},
 }
 
 

@@ -1,23 +1,42 @@
-"""Probes and operations: /health, /ping, /version, /metrics."""
+"""Probes and operations: /health, /ready, /ping, /version, /metrics."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from servelm.api.errors import error_response
+from servelm.api.errors import ServerShuttingDown, error_response
 from servelm.api.metrics import CONTENT_TYPE_LATEST
 from servelm.api.routers.common import app_state
+from servelm.api.serving_engine import not_ready_error
 
 router = APIRouter(tags=["operations"])
 
+_NOT_READY = {503: {"description": "Models are still loading, or the engine is down."}}
 
-@router.get("/health", responses={503: {"description": "Models are still loading, or the engine is down."}})
+
+async def _unhealthy(request: Request) -> Response | None:
+    connector = app_state(request).ctx.connector
+    if await connector.health():
+        return None
+    err = await not_ready_error(connector)
+    return error_response(err.status, err.message, code=err.code, headers=err.headers)
+
+
+@router.get("/health", responses=_NOT_READY)
 async def health(request: Request) -> Response:
-    """Readiness: 200 once every model is loaded and the engine runs, 503 before."""
-    if await app_state(request).ctx.connector.health():
-        return JSONResponse({"status": "ok"})
-    return error_response(503, "Models are still loading, or the engine is down.", code="model_not_ready")
+    """200 once every model is loaded and the engine runs; 503 while loading (``model_not_ready``)
+    or once the engine loop has died (``engine_dead``; the server then exits). Draining does not change it."""
+    return await _unhealthy(request) or JSONResponse({"status": "ok"})
+
+
+@router.get("/ready", responses={503: {"description": "Loading, draining for shutdown, or the engine is down."}})
+async def ready(request: Request) -> Response:
+    """Readiness for traffic: like /health, and also 503 ``server_shutting_down`` while the server drains."""
+    if app_state(request).ctx.lifecycle.draining:
+        err = ServerShuttingDown()
+        return error_response(err.status, err.message, code=err.code, headers=err.headers)
+    return await _unhealthy(request) or JSONResponse({"status": "ready"})
 
 
 @router.get("/ping")
@@ -34,5 +53,7 @@ async def version(request: Request) -> dict[str, str]:
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
 async def metrics(request: Request) -> Response:
-    """Prometheus metrics of this server."""
-    return Response(app_state(request).ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus metrics of this server, the engines' current figures included."""
+    ctx = app_state(request).ctx
+    ctx.metrics.update_engine(await ctx.connector.engine_stats())
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,142 @@
+"""Readiness and the drain on SIGTERM, on a real uvicorn server around the fake connector."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import ThreadedServer, make_app
+from .fake_connector import FakeConnector
+
+CHAT = {"model": "fake-chat", "messages": [{"role": "user", "content": "x"}]}
+
+
+def events(body: str) -> list:
+    """The data of each SSE event, JSON-decoded ([DONE] kept as is)."""
+    out = []
+    for line in body.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+class Draining(ThreadedServer):
+    """A served fake; ``sigterm()`` runs the server's SIGTERM handler as the signal would."""
+
+    def sigterm(self) -> None:
+        self.server.server.handle_exit(signal.SIGTERM, None)
+
+    def release(self, fake: FakeConnector) -> None:
+        # The fake's event belongs to the server's loop.
+        self.server.server._loop.call_soon_threadsafe(fake.release.set)
+
+    def wait_stopped(self) -> None:
+        self.thread.join(timeout=20)
+        assert not self.thread.is_alive()
+
+
+def in_thread(fn) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def stream_chat(url: str) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=20) as c:
+        r = c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        r.read()
+        return r
+
+
+def test_ready_and_health_while_loading_and_after_the_engine_died():
+    fake = FakeConnector(healthy=False)
+    with ThreadedServer(make_app(fake)) as url:
+        for probe in ("/health", "/ready"):
+            r = httpx.get(url + probe)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+            assert r.headers["retry-after"]
+        fake.healthy = True
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/ready").json() == {"status": "ready"}
+        fake.healthy, fake.fatal = False, "the engine loop died: RuntimeError('boom')"
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        r = httpx.post(url + "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_server_stops_with_status_1_when_the_engine_dies():
+    fake = FakeConnector()
+    srv = Draining(make_app(fake))
+    with srv as url:
+        assert httpx.get(url + "/health").status_code == 200
+        fake.healthy, fake.fatal = False, "the engine loop died"
+        srv.wait_stopped()
+    assert srv.server.exit_code == 1 and srv.server.fatal_error == "the engine loop died"
+
+
+def test_sigterm_refuses_new_work_and_lets_streams_finish():
+    fake = FakeConnector(hold_after=2)
+    srv = Draining(make_app(fake), shutdown_timeout=20)
+    with srv as url:
+        thread, result = in_thread(lambda: stream_chat(url))
+        wait_for(fake.held.is_set)
+        srv.sigterm()
+        wait_for(lambda: httpx.get(url + "/ready").status_code == 503)
+        r = httpx.get(url + "/ready")
+        assert r.json()["error"]["code"] == "server_shutting_down" and r.headers["retry-after"] == "5"
+        assert httpx.get(url + "/health").status_code == 200  # draining is not ill health
+        r = httpx.post(url + "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert r.json()["error"] == {
+            "message": r.json()["error"]["message"], "type": "service_unavailable_error",
+            "param": None, "code": "server_shutting_down",
+        }
+        assert thread.is_alive()  # the stream in flight is still being served
+        srv.release(fake)
+        thread.join(timeout=10)
+        srv.wait_stopped()
+    body = events(result[0].text)
+    assert body[-1] == "[DONE]"
+    assert body[-2]["choices"][0]["finish_reason"] == "stop"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in body[:-1]) == "Hello world"
+    assert fake.aborted == []
+    assert srv.server.exit_code == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_sigterm_aborts_what_outlives_the_shutdown_timeout(stream):
+    fake = FakeConnector(hold_after=1)
+    srv = Draining(make_app(fake), shutdown_timeout=0.2)
+    with srv as url:
+        if stream:
+            thread, result = in_thread(lambda: stream_chat(url))
+        else:
+            thread, result = in_thread(lambda: httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=20))
+        wait_for(fake.held.is_set)
+        srv.sigterm()
+        thread.join(timeout=10)
+        srv.wait_stopped()
+    r = result[0]
+    if stream:
+        body = events(r.text)
+        assert r.status_code == 200 and body[-1] == "[DONE]"
+        assert body[-2]["error"]["code"] == "server_shutting_down"
+    else:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+    assert fake.aborted == ["chatcmpl-test"]
+    assert srv.server.exit_code == 0
