@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -50,12 +51,28 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=STOP_TIMEOUT_S)
 
 
+@dataclass
+class ServerProcess:
+    """A started ``servelm serve``: its base URL, its process and its stderr log."""
+
+    url: str
+    proc: subprocess.Popen
+    stderr_path: Path
+
+    def stderr(self) -> str:
+        return _tail(self.stderr_path)
+
+
 @contextlib.contextmanager
-def running_server(extra_args: Sequence[str] = ()) -> Iterator[str]:
-    """Start ``servelm serve`` with ``extra_args``, wait until ``/health`` is 200, yield its base URL."""
+def server_process(extra_args: Sequence[str] = (), python_args: Sequence[str] = ("-m", "servelm")) -> Iterator[ServerProcess]:
+    """Start ``servelm serve`` with ``extra_args``, wait until ``/health`` is 200, yield it.
+
+    ``python_args`` replace ``-m servelm`` (a test harness that patches the
+    engine first, then calls the same CLI).
+    """
     port = free_port()
     cmd = [
-        sys.executable, "-m", "servelm", "serve",
+        sys.executable, *python_args, "serve",
         "--host", "127.0.0.1",
         "--port", str(port),
         "--kv-cache-memory", str(KV_CACHE_BYTES),
@@ -89,9 +106,16 @@ def running_server(extra_args: Sequence[str] = ()) -> Iterator[str]:
                             f"servelm serve was not ready within {STARTUP_TIMEOUT_S:.0f}s:\n{_tail(stderr_path)}"
                         )
                     time.sleep(0.5)
-                yield url
+                yield ServerProcess(url, proc, stderr_path)
             finally:
                 _stop(proc)
+
+
+@contextlib.contextmanager
+def running_server(extra_args: Sequence[str] = ()) -> Iterator[str]:
+    """Start ``servelm serve`` with ``extra_args``, wait until ``/health`` is 200, yield its base URL."""
+    with server_process(extra_args) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")

@@ -352,7 +352,7 @@ def _running_requests(http: httpx.Client) -> float:
     assert r.status_code == 200
     total = 0.0
     for line in r.text.splitlines():
-        if line.startswith("servelm_generation_requests_running"):
+        if line.startswith("servelm:num_requests_running"):
             total += float(line.rsplit(" ", 1)[1])
     return total
 

@@ -1,0 +1,288 @@
+"""A real ``servelm serve`` under production conditions: metrics after a known
+workload, overload against a bounded queue, a storm of disconnecting clients,
+a SIGTERM drain with requests in flight, and an engine loop that dies.
+
+All traffic goes to 127.0.0.1, bounded in count and time; only the server
+processes started here are ever signalled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .conftest import CHAT_MODEL, server_process
+
+pytestmark = pytest.mark.model
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle on a stormy night."
+TIMEOUT = 120.0
+
+
+def scrape(http: httpx.Client) -> dict:
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def sse_data(text: str) -> list:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def wait_idle(http: httpx.Client, within: float) -> dict:
+    """Poll /metrics until nothing runs, waits or holds KV blocks; fail after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        m = scrape(http)
+        figures = [metric(m, f"servelm:{name}", model_name=CHAT_MODEL)
+                   for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        if figures == [0, 0, 0]:
+            return m
+        assert time.monotonic() < deadline, f"running, waiting, kv usage still {figures} after {within} s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def busy_server():
+    with server_process(["--model", CHAT_MODEL, "--embedding-model", "none", "--max-waiting", "32"]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def http(busy_server):
+    with httpx.Client(base_url=busy_server.url, timeout=TIMEOUT) as client:
+        yield client
+
+
+def test_metrics_equal_a_known_workload(http):
+    before = scrape(http)
+    usages = []
+    for _ in range(3):  # the same prompt three times: the later ones hit the prefix cache
+        r = http.post("/v1/completions", json={
+            "model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+    for _ in range(2):
+        r = http.post("/v1/chat/completions", json={
+            "model": CHAT_MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+        assert r.status_code == 200
+        usages.append(sse_data(r.text)[-2]["usage"])
+    after = wait_idle(http, within=5)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, model_name=CHAT_MODEL, **labels) - metric(before, name, model_name=CHAT_MODEL, **labels)
+
+    requests, generated = 5, 5 * 5
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert all(u["completion_tokens"] == 5 for u in usages)
+    assert cached > 0
+    assert delta("servelm:request_success_total", finished_reason="length") == requests
+    assert delta("servelm:generation_tokens_total") == generated
+    assert delta("servelm:prompt_tokens_total") == prompt_tokens
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens"):
+        assert delta(f"servelm:{name}_count") == requests, name
+    # One token per engine step: 4 gaps in each request of 5 tokens.
+    assert delta("servelm:inter_token_latency_seconds_count") == requests * 4
+    assert delta("servelm:request_generation_tokens_sum") == generated
+    assert delta("servelm:request_prompt_tokens_sum") == prompt_tokens
+    # Every prompt token is looked up in the prefix cache once; the hits are what usage reports cached.
+    assert delta("servelm:prefix_cache_queries_total") == prompt_tokens
+    assert delta("servelm:prefix_cache_hits_total") == cached
+    assert delta("servelm:num_preemptions_total") == 0
+
+    # The HTTP counters are recorded once the response has ended, which the
+    # server notes just after the client has read the last byte.
+    def http_counts() -> list[float]:
+        now = scrape(http)
+        return [
+            metric(now, "servelm:http_requests_total", method="POST", route=route, status="200")
+            - metric(before, "servelm:http_requests_total", method="POST", route=route, status="200")
+            for route in ("/v1/completions", "/v1/chat/completions")
+        ]
+
+    deadline = time.monotonic() + 5
+    while http_counts() != [3, 2] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert http_counts() == [3, 2]
+
+
+def test_overload_answers_every_request_with_a_stream_or_429(busy_server, http):
+    n = 200
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, str, httpx.Headers]:
+        body = {"model": CHAT_MODEL, "prompt": f"{i}: {PROMPT}", "max_tokens": 32, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            return r.status_code, (await r.aread()).decode(), r.headers
+
+    async def storm() -> list:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(base_url=busy_server.url, timeout=TIMEOUT, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(n)), return_exceptions=True)
+
+    results = asyncio.run(storm())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, f"{len(errors)} requests got no HTTP answer, e.g. {errors[0]!r}"
+    streamed = refused = 0
+    for status, text, headers in results:
+        if status == 200:
+            events = sse_data(text)
+            assert events[-1] == "[DONE]"
+            assert not any("error" in e for e in events[:-1] if isinstance(e, dict)), text
+            tokens = sum(1 for e in events[:-1] if e["choices"] and e["choices"][0]["text"] is not None)
+            assert events[-2]["choices"][0]["finish_reason"] == "length" and tokens >= 1
+            streamed += 1
+        else:
+            assert status == 429, f"status {status}: {text}"
+            assert int(headers["retry-after"]) >= 1
+            assert json.loads(text)["error"]["code"] in ("queue_full", "queue_timeout")
+            refused += 1
+    assert streamed + refused == n
+    assert streamed >= 32 and refused >= 1  # the bounded queue did refuse some
+    assert http.get("/health").status_code == 200
+    m = wait_idle(http, within=10)
+    assert metric(m, "servelm:admission_rejections_total", reason="queue_full") + metric(
+        m, "servelm:admission_rejections_total", reason="queue_timeout") == refused
+
+
+def test_disconnect_storm_frees_every_sequence_and_block():
+    with server_process(["--model", CHAT_MODEL, "--embedding-model", "none", "--max-waiting", "none"]) as server:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+            _disconnect_storm(server.url, http)
+
+
+def _disconnect_storm(url: str, http: httpx.Client) -> None:
+    n = 100
+    rng = random.Random(1234)
+    leave_after = [rng.uniform(0.05, 4.0) for _ in range(n)]  # seconds: before the headers, or mid-stream
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {"model": CHAT_MODEL, "prompt": f"{i}: {PROMPT}", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for _ in r.aiter_lines():
+                pass
+            return r.status_code
+
+    async def storm() -> None:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT, limits=limits) as client:
+            tasks = [asyncio.wait_for(one(client, i), leave_after[i]) for i in range(n)]
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        # Every client left on its own clock, none at the end of 2000 tokens.
+        assert all(isinstance(r, TimeoutError) for r in results), [r for r in results if not isinstance(r, TimeoutError)]
+
+    asyncio.run(storm())
+    left_at = time.monotonic()
+    m = wait_idle(http, within=2.0)
+    assert time.monotonic() - left_at <= 2.5
+    assert metric(m, "servelm:request_success_total", model_name=CHAT_MODEL, finished_reason="abort") >= 1
+    r = http.post("/v1/completions", json={"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def _stream_in_thread(url: str, body: dict, first_event: threading.Event) -> tuple[threading.Thread, list]:
+    result: list = []
+
+    def run() -> None:
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as client:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if line.startswith("data: "):
+                        first_event.set()
+                result.append((r.status_code, "\n".join(lines)))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_sigterm_drains_then_exits_0():
+    shutdown_timeout = 6.0
+    args = ["--model", CHAT_MODEL, "--embedding-model", "none", "--shutdown-timeout", str(shutdown_timeout)]
+    with server_process(args) as server:
+        url = server.url
+        short = {"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "stream": True}
+        long = {**short, "max_tokens": 4000}
+        started = [threading.Event() for _ in range(3)]
+        streams = [_stream_in_thread(url, body, ev) for body, ev in zip((short, short, long), started)]
+        for ev in started:
+            assert ev.wait(timeout=60), server.stderr()
+
+        server.proc.send_signal(signal.SIGTERM)
+        sent_at = time.monotonic()
+        # Still listening, but refusing new work.
+        deadline = time.monotonic() + 5
+        while httpx.get(url + "/ready", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", json={**short, "stream": False}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.json()["error"]["code"] == "server_shutting_down"
+
+        assert server.proc.wait(timeout=30) == 0, server.stderr()
+        assert time.monotonic() - sent_at >= shutdown_timeout - 0.5  # the long request held the drain to its end
+        for thread, _ in streams:
+            thread.join(timeout=10)
+        (s1, t1), (s2, t2), (s3, t3) = (result[0] for _, result in streams)
+        for status, text in ((s1, t1), (s2, t2)):  # finished within the drain
+            events = sse_data(text)
+            assert status == 200 and events[-1] == "[DONE]"
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
+        events = sse_data(t3)  # outlived it: an error event, then [DONE]
+        assert s3 == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "server_shutting_down"
+
+
+# Runs the real CLI after patching the engine so that a request asking for
+# exactly 13 tokens crashes the engine loop itself (not just one step).
+_CRASHING_ENGINE = """
+import sys
+from servelm import cli
+from servelm.engine import llm_engine
+
+real_step = llm_engine.LLMEngine.step
+
+def step(self):
+    if any(r.params.max_tokens == 13 for r in self.requests.values()):
+        raise SystemError("injected: the engine loop crashed")
+    return real_step(self)
+
+llm_engine.LLMEngine.step = step
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_dead_engine_loop_fails_its_requests_and_stops_the_server_with_status_1():
+    args = ["--model", CHAT_MODEL, "--embedding-model", "none"]
+    with server_process(args, python_args=("-c", _CRASHING_ENGINE)) as server:
+        body = {"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT).status_code == 200
+        r = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 13, "stream": True}, timeout=TIMEOUT)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+        assert server.proc.wait(timeout=15) == 1
+        assert "the engine loop died" in server.stderr()
