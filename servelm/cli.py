@@ -25,12 +25,13 @@ import uvicorn
 from pydantic import ValidationError
 from uvicorn.config import LOGGING_CONFIG
 
+from servelm.benchmark.cli import add_bench_parser, run_bench
 from servelm.settings import ENV_PREFIX, Settings, SettingsError, unknown_env_vars
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-SUBCOMMANDS = ("serve", "chat")
+SUBCOMMANDS = ("serve", "chat", "bench")
 
 
 def _default(name: str) -> Any:
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="An OpenAI-compatible LLM inference server with its own serving engine. "
         "With no subcommand, 'serve' is assumed.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{serve,chat}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,chat,bench}")
 
     serve = sub.add_parser(
         "serve",
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, metavar="PROMPT", help="system prompt")
     chat.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
     chat.add_argument("--max-tokens", type=int, default=None, help="longest reply in tokens (default: up to the context)")
+    add_bench_parser(sub)
     return parser
 
 
@@ -495,5 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             keys = [k.strip() for k in os.environ.get(f"{ENV_PREFIX}API_KEYS", "").split(",") if k.strip()]
             api_key = keys[0] if keys else None
         return run_chat(args.url, api_key, args.model, args.system, args.temperature, args.max_tokens)
+    if args.command == "bench":
+        return run_bench(args)
     settings = settings_from_args(args, args.command_parser)
     return serve(settings)

@@ -1,0 +1,128 @@
+"""One streamed request: SSE parsing, timing and every way it can fail (httpx.MockTransport)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from servelm.benchmark.client import SamplingOptions, request_body, send_request
+from servelm.benchmark.dataset import BenchRequest
+
+REQ = BenchRequest(prompt=[5, 6, 7], prompt_len=3, output_len=4)
+
+
+def sse(*events: object, done: bool = True) -> bytes:
+    lines = [f"data: {json.dumps(e)}\n\n" for e in events]
+    if done:
+        lines.append("data: [DONE]\n\n")
+    return "".join(lines).encode()
+
+
+def text_chunk(text: str) -> dict:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": None}], "usage": None}
+
+
+def chat_chunk(content: str | None, role: str | None = None) -> dict:
+    delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": None}], "usage": None}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
+
+
+def client_for(handler) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://bench.test")
+
+
+async def send(handler, endpoint: str = "completions", timeout: float | None = 5.0, req: BenchRequest = REQ):
+    async with client_for(handler) as client:
+        return await send_request(client, endpoint, "m", req, SamplingOptions(), timeout)
+
+
+def test_request_body_for_each_endpoint():
+    body = request_body("completions", "m", REQ, SamplingOptions())
+    assert body == {
+        "model": "m", "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    chat = request_body("chat", "m", BenchRequest("hi", None, 9), SamplingOptions(ignore_eos=False, send_min_tokens=True, temperature=0.0))
+    assert chat["messages"] == [{"role": "user", "content": "hi"}]
+    assert chat["max_tokens"] == 9 and chat["min_tokens"] == 9 and chat["temperature"] == 0.0
+    assert "ignore_eos" not in chat and "prompt" not in chat
+
+
+async def test_completion_stream_with_usage_counts_tokens_from_usage():
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["path"] = request.url.path
+        seen["body"] = json.loads(request.content)
+        # two tokens in one chunk: usage, not the chunk count, gives the output length
+        return httpx.Response(200, content=sse(text_chunk("ab"), text_chunk("c"), text_chunk("d"), USAGE))
+
+    r = await send(handler)
+    assert seen["path"] == "/v1/completions" and seen["body"]["max_tokens"] == 4
+    assert r.error is None
+    assert (r.prompt_tokens, r.output_tokens, r.output_len) == (3, 4, 4)
+    assert r.ttft is not None and 0 <= r.ttft <= r.e2e
+    assert len(r.itl) == 2  # gaps between the three content chunks
+
+
+async def test_chat_stream_skips_the_role_chunk():
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/chat/completions"
+        return httpx.Response(200, content=sse(chat_chunk(None, role="assistant"), chat_chunk("x"), chat_chunk("y"), USAGE))
+
+    r = await send(handler, endpoint="chat", req=BenchRequest("hello", None, 4))
+    assert r.error is None and r.output_tokens == 4 and len(r.itl) == 1
+    assert r.prompt_tokens == 3  # from usage, as the prompt length was unknown
+
+
+async def test_without_usage_content_chunks_are_counted():
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=sse(text_chunk("a"), text_chunk("b"), text_chunk("")))
+
+    r = await send(handler)
+    assert r.error is None and r.output_tokens == 2 and r.prompt_tokens == 3  # our own prompt length
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        (httpx.Response(429, json={"error": {"message": "Rate limit reached", "type": "rate_limit_error"}}), "HTTP 429: Rate limit reached"),
+        (httpx.Response(502, text="<html>bad gateway</html>"), "HTTP 502: <html>bad gateway</html>"),
+        (httpx.Response(200, content=sse(text_chunk("a"), {"error": {"message": "engine failed"}})), "stream error: engine failed"),
+        (httpx.Response(200, content=sse(text_chunk("a"), text_chunk("b"), done=False)), "stream ended without [DONE]"),
+        (httpx.Response(200, content=sse(USAGE)), "no content in the stream"),
+        (httpx.Response(200, content=b"data: {not json\n\n"), "bad response: JSONDecodeError"),
+    ],
+)
+async def test_failures_become_results(response, expected):
+    r = await send(lambda request: response)
+    assert r.error is not None and r.error.startswith(expected), r.error
+
+
+async def test_connection_error_becomes_a_result():
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    r = await send(handler)
+    assert r.error == "connection error: ConnectError: connection refused"
+
+
+async def test_a_slow_request_times_out():
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(5)
+        return httpx.Response(200, content=sse(text_chunk("a")))
+
+    r = await send(handler, timeout=0.05)
+    assert r.error == "timeout after 0.05s"
+    assert 0.04 <= r.e2e < 2
+
+
+async def test_long_error_messages_are_shortened():
+    r = await send(lambda request: httpx.Response(400, json={"error": {"message": "x" * 1000}}))
+    assert r.error is not None and len(r.error) <= 200 and r.error.endswith("...")
