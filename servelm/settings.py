@@ -172,6 +172,9 @@ class Settings(BaseSettings):
     block_size: int = 16
     enable_prefix_caching: bool = True
     seed: int = 0
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="Weight quantization: none, or int8 (weight-only, CPU; faster decoding at low concurrency)."
+    )
 
     # HTTP
     host: str = "127.0.0.1"
@@ -311,6 +314,7 @@ class Settings(BaseSettings):
             kv_cache_memory=self.kv_cache_memory,
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
+            quantization=self.quantization,
         )
 
     def read_chat_template(self) -> str | None:

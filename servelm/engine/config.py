@@ -23,6 +23,7 @@ class EngineConfig:
     kv_cache_memory: int | float = 1 << 30
     enable_prefix_caching: bool = True
     seed: int = 0
+    quantization: str = "none"  # none, or int8: weight-only int8 (CPU), see servelm/models/quantization.py
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -33,5 +34,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if isinstance(self.kv_cache_memory, float) and not 0.0 < self.kv_cache_memory <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if isinstance(self.kv_cache_memory, int) and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory in bytes must be > 0, got {self.kv_cache_memory}")

@@ -54,6 +54,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model, self.model_config, self.tokenizer = load_model(model, self.dtype, self.device)
+        if config.quantization == "int8":
+            self._quantize_int8()
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
@@ -69,6 +71,16 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self.block_bytes / 2**20,
         )
+
+    def _quantize_int8(self) -> None:
+        from servelm.models.quantization import quantize_int8
+
+        if self.device.type != "cpu":
+            raise ValueError(f"quantization int8 runs on CPU only (its kernel is a CPU one); the device is {self.device}")
+        model = self.model
+        head = model.model.embed_tokens.weight if model.lm_head is None else None
+        count = quantize_int8(model, head)
+        logger.info("quantized %d linear layers to int8 (weight-only)", count)
 
     @property
     def block_bytes(self) -> int:

@@ -1,0 +1,78 @@
+"""Weight-only int8 quantization of a loaded model (``--quantization int8``).
+
+Every linear layer of the decoder and the LM head get int8 weights with one
+scale per output row (symmetric, round to nearest). Decoding a few sequences
+is bound by reading the weights, so small batches run torch's int8
+weight-only kernel (``aten._weight_int8pack_mm``, bf16 activations), which
+reads a quarter of the float32 bytes. Large batches are bound by compute,
+where that kernel is slow, so they run a float32 GEMM on the same weights
+dequantized once. Both paths compute with the quantized weights: the model
+is the same at every batch size, up to the activations' rounding.
+
+The float copy costs memory: this mode trades memory for latency at low
+concurrency; it is CPU-only (the kernel's CPU path is what it is for).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8")
+
+# Rows (tokens) up to which the int8 kernel beats float32 GEMM on a 2-core
+# AVX-512 CPU (bench/quantized.py); past it, the float copy is faster.
+SMALL_BATCH = 4
+
+
+class Int8Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` stored as int8 rows times per-row scales."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: int = SMALL_BATCH):
+        super().__init__()
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16)
+        qweight = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales)
+        # The dequantized weights, in the model's dtype, for large batches.
+        self.register_buffer("weight", (qweight.float() * scales.float()[:, None]).to(weight.dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.small_batch = small_batch
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > self.small_batch:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_int8(model: nn.Module, head_weight: torch.Tensor | None) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by an :class:`Int8Linear`, in place.
+
+    ``head_weight`` is the LM head's weight when the model has no linear
+    head module of its own (tied embeddings); it becomes ``model.lm_head``.
+    Returns the number of layers quantized.
+    """
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, Int8Linear(linear.weight, linear.bias))
+    if head_weight is not None:
+        model.lm_head = Int8Linear(head_weight)
+        return len(targets) + 1
+    return len(targets)
