@@ -130,6 +130,16 @@ def test_metrics_equal_a_known_workload(http):
     assert http_counts() == [3, 2]
 
 
+def test_a_request_that_can_never_fit_the_kv_cache_is_refused_up_front(http):
+    # The e2e servers get a 256 MiB cache: fewer tokens than the 8192-token context.
+    body = {"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 7000, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "can never fit in the KV cache" in error["message"]
+    assert http.get("/health").status_code == 200
+
+
 def test_overload_answers_every_request_with_a_stream_or_429(busy_server, http):
     n = 200
 
