@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
 
+from api.conftest import ThreadedServer
 from api.fake_connector import FakeConnector
 from servelm.api import create_app
 from servelm.connectors.base import ConnectorError
@@ -61,37 +60,13 @@ class PacedFake(FakeConnector):
             sent += 1
 
 
-class ThreadedServer:
-    """servelm's uvicorn server (as ``servelm serve`` builds it) on a free port, in a thread."""
-
-    def __init__(self, fake: FakeConnector, **settings: object):
-        from servelm.cli import ServelmServer
-
-        settings = Settings(port=0, log_level="warning", **settings)
-        self.server = ServelmServer(create_app(fake, settings), settings)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        return self.server.url
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture
 def serve_fake() -> Iterator[Callable[..., str]]:
     """Start a server around a given fake (and settings); returns its base URL. Stopped after the test."""
     servers: list[ThreadedServer] = []
 
     def start(fake: FakeConnector, **settings: object) -> str:
-        server = ThreadedServer(fake, **settings)
+        server = ThreadedServer(create_app(fake, Settings(**settings)), **settings)
         url = server.__enter__()
         servers.append(server)
         return url
