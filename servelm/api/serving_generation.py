@@ -364,11 +364,15 @@ class GenerationRun:
             if out.prompt_logprobs is not None and self.prompt_logprobs[i] is None:
                 self.prompt_logprobs[i] = out.prompt_logprobs
             self.cached_tokens[i] = max(self.cached_tokens[i], out.num_cached_tokens)
-            new_tokens = 0
-            finish_reason = None
+            # Recorded before the chunks go out, so TTFT and ITL do not include the client's reading.
+            new_tokens = sum(len(c.token_ids) for c in out.outputs)
+            finish_reason = next((c.finish_reason for c in reversed(out.outputs) if c.finish_reason), None)
+            recorder.output(new_tokens, out.queue_time, finish_reason)
+            if new_tokens:
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                self.completion_tokens += new_tokens
             for c in out.outputs:
-                new_tokens += len(c.token_ids)
-                finish_reason = c.finish_reason or finish_reason
                 yield ChoiceDelta(
                     index=i * n + c.index,
                     prompt_index=i,
@@ -377,11 +381,6 @@ class GenerationRun:
                     logprobs=c.logprobs,
                     finish_reason=c.finish_reason,
                 )
-            recorder.output(new_tokens, out.queue_time, finish_reason)
-            if new_tokens:
-                if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()
-                self.completion_tokens += new_tokens
             if out.finished:
                 self._finished[i] = True
                 recorder.end()
