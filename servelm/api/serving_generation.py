@@ -208,12 +208,10 @@ class GenerationRun:
             # tasks and counts as one request here: the limit is approximate.
             depth = await self.connector.queue_depth()
             if depth.waiting >= admission.max_waiting:
-                self.metrics.admission_rejections.labels("queue_full").inc()
-                raise ServerOverloaded(
+                raise self._overloaded(
+                    "queue_full",
                     f"The server is at capacity: {depth.waiting} requests are already waiting. "
                     "Retry after the time in the Retry-After header.",
-                    code="queue_full",
-                    retry_after_s=retry_after(_RETRY_AFTER_S),
                 )
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -239,12 +237,10 @@ class GenerationRun:
                 if self._interrupted is not None:
                     raise self._interrupted from None
                 if first_deadline == queue_deadline:
-                    self.metrics.admission_rejections.labels("queue_timeout").inc()
-                    raise ServerOverloaded(
+                    raise self._overloaded(
+                        "queue_timeout",
                         f"The request waited {admission.queue_timeout:g} s in the server's queue without "
                         "starting; the server is at capacity. Retry after the time in the Retry-After header.",
-                        code="queue_timeout",
-                        retry_after_s=retry_after(_RETRY_AFTER_S),
                     ) from None
                 raise RequestTimedOut(self._request_timeout) from None
             finally:
@@ -254,6 +250,11 @@ class GenerationRun:
             raise
         self.admitted = True
         self.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
+
+    def _overloaded(self, code: str, message: str) -> ServerOverloaded:
+        """The 429 for a refusal by admission control, counted in the metrics by ``code``."""
+        self.metrics.admission_rejections.labels(code).inc()
+        return ServerOverloaded(message, code=code, retry_after_s=retry_after(_RETRY_AFTER_S))
 
     async def _first_outputs(self) -> None:
         if len(self.prompts) == 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from servelm.api.errors import ServerShuttingDown, error_response
+from servelm.api.errors import ServerShuttingDown
 from servelm.api.metrics import CONTENT_TYPE_LATEST
 from servelm.api.routers.common import app_state
 from servelm.api.serving_engine import not_ready_error
@@ -15,28 +15,27 @@ router = APIRouter(tags=["operations"])
 _NOT_READY = {503: {"description": "Models are still loading, or the engine is down."}}
 
 
-async def _unhealthy(request: Request) -> Response | None:
+async def _require_healthy(request: Request) -> None:
     connector = app_state(request).ctx.connector
-    if await connector.health():
-        return None
-    err = await not_ready_error(connector)
-    return error_response(err.status, err.message, code=err.code, headers=err.headers)
+    if not await connector.health():
+        raise await not_ready_error(connector)
 
 
 @router.get("/health", responses=_NOT_READY)
 async def health(request: Request) -> Response:
     """200 once every model is loaded and the engine runs; 503 while loading (``model_not_ready``)
     or once the engine loop has died (``engine_dead``; the server then exits). Draining does not change it."""
-    return await _unhealthy(request) or JSONResponse({"status": "ok"})
+    await _require_healthy(request)
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/ready", responses={503: {"description": "Loading, draining for shutdown, or the engine is down."}})
 async def ready(request: Request) -> Response:
     """Readiness for traffic: like /health, and also 503 ``server_shutting_down`` while the server drains."""
     if app_state(request).ctx.lifecycle.draining:
-        err = ServerShuttingDown()
-        return error_response(err.status, err.message, code=err.code, headers=err.headers)
-    return await _unhealthy(request) or JSONResponse({"status": "ready"})
+        raise ServerShuttingDown()
+    await _require_healthy(request)
+    return JSONResponse({"status": "ready"})
 
 
 @router.get("/ping")
