@@ -277,8 +277,7 @@ class ServelmServer:
         )
         self.ctx = app.state.servelm.ctx
         self.settings = settings
-        self.exit_code = 0
-        self.fatal_error: str | None = None
+        self.fatal_error: str | None = None  # set by the watchdog when it stops the server
         self.server = _Uvicorn(
             self.config,
             (lambda: on_ready(self.url)) if on_ready is not None else None,
@@ -298,6 +297,11 @@ class ServelmServer:
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{port}"
 
+    @property
+    def exit_code(self) -> int:
+        """The status ``servelm serve`` exits with: 1 after a fatal error, else 0."""
+        return 0 if self.fatal_error is None else 1
+
     async def _drain(self) -> None:
         timeout = self.settings.shutdown_timeout
         logging.getLogger("servelm").info("shutting down: draining for up to %g s", timeout)
@@ -310,7 +314,6 @@ class ServelmServer:
             if fatal is not None:
                 logging.getLogger("servelm").error("stopping the server: %s", fatal)
                 self.fatal_error = fatal
-                self.exit_code = 1
                 self.server.should_exit = True
                 return
 
