@@ -36,10 +36,6 @@ class Lifecycle:
         self.draining = False
         self._runs: set[Interruptible] = set()
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._runs)
-
     def track(self, run: Interruptible) -> None:
         self._runs.add(run)
 
