@@ -155,8 +155,7 @@ class RequestRecorder:
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.started = started
-        self.first_token: float | None = None
-        self.last_token: float | None = None
+        self.last_token: float | None = None  # time of the latest token, None before the first
         self.generated = 0
         self.finish_reason: str | None = None
         self.ended = False
@@ -172,8 +171,7 @@ class RequestRecorder:
         if not new_tokens:
             return
         now = time.perf_counter()
-        if self.first_token is None:
-            self.first_token = now
+        if self.last_token is None:
             m.ttft.labels(model).observe(now - self.started)
         else:
             m.itl.labels(model).observe(now - self.last_token)
