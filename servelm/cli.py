@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -26,6 +25,7 @@ from pydantic import ValidationError
 from uvicorn.config import LOGGING_CONFIG
 
 from servelm.benchmark.cli import add_bench_parser, run_bench
+from servelm.clients import api_key_from_env, server_base_url
 from servelm.settings import ENV_PREFIX, Settings, SettingsError, unknown_env_vars
 
 if TYPE_CHECKING:
@@ -381,11 +381,6 @@ def serve(settings: Settings, out: TextIO = sys.stderr) -> int:
         connector.shutdown()
 
 
-def _base_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
 def _error_message(response: httpx.Response) -> str:
     try:
         return response.json()["error"]["message"]
@@ -407,7 +402,7 @@ def run_chat(
 ) -> int:
     """Interactive chat against a running server; returns the exit status."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    base = _base_url(url)
+    base = server_base_url(url)
     client = httpx.Client(
         base_url=base, headers=headers, timeout=httpx.Timeout(30.0, read=None), transport=transport
     )
@@ -496,10 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_normalise_argv(sys.argv[1:] if argv is None else argv))
     if args.command == "chat":
-        api_key = args.api_key
-        if api_key is None:
-            keys = [k.strip() for k in os.environ.get(f"{ENV_PREFIX}API_KEYS", "").split(",") if k.strip()]
-            api_key = keys[0] if keys else None
+        api_key = args.api_key if args.api_key is not None else api_key_from_env()
         return run_chat(args.url, api_key, args.model, args.system, args.temperature, args.max_tokens)
     if args.command == "bench":
         return run_bench(args)

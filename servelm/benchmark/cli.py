@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from servelm.benchmark.config import DEFAULT_INPUT_LEN, DEFAULT_NUM_PROMPTS, config_from_args
+from servelm.clients import api_key_from_env
 
 T = TypeVar("T")
 
@@ -128,10 +129,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def default_api_key() -> str | None:
     """The first of SERVELM_API_KEYS (comma-separated), else OPENAI_API_KEY."""
-    keys = [k.strip() for k in os.environ.get("SERVELM_API_KEYS", "").split(",") if k.strip()]
-    if keys:
-        return keys[0]
-    return os.environ.get("OPENAI_API_KEY") or None
+    return api_key_from_env() or os.environ.get("OPENAI_API_KEY") or None
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 
 from servelm.benchmark.dataset import load_prompt_file, parse_range
 from servelm.benchmark.metrics import level_label, parse_slos
+from servelm.clients import server_base_url
 
 DEFAULT_INPUT_LEN = 128
 DEFAULT_NUM_PROMPTS = 100
@@ -90,9 +91,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     concurrencies: list[int | None] = list(args.concurrency) if args.concurrency else [1 if args.request_rate is None else None]
     levels = [Level(c, r) for r in rates for c in concurrencies]
     num_prompts = args.num_prompts or (len(prompts) if prompts is not None else DEFAULT_NUM_PROMPTS)
-    base_url = args.base_url.rstrip("/")
-    if base_url.endswith("/v1"):
-        base_url = base_url[: -len("/v1")]
+    base_url = server_base_url(args.base_url)
     if not base_url.startswith(("http://", "https://")):
         raise ValueError(f"--base-url: {args.base_url!r} is not an http:// or https:// URL")
     return BenchConfig(
