@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from uvicorn.config import LOGGING_CONFIG
 
 from servelm.benchmark.cli import add_bench_parser, run_bench
-from servelm.clients import api_key_from_env, server_base_url
+from servelm.clients import api_key_from_env, envelope_message, server_base_url
 from servelm.settings import ENV_PREFIX, Settings, SettingsError, unknown_env_vars
 
 if TYPE_CHECKING:
@@ -382,10 +382,8 @@ def serve(settings: Settings, out: TextIO = sys.stderr) -> int:
 
 
 def _error_message(response: httpx.Response) -> str:
-    try:
-        return response.json()["error"]["message"]
-    except Exception:
-        return f"HTTP {response.status_code}: {response.text[:200]}"
+    message = envelope_message(response)
+    return message if message is not None else f"HTTP {response.status_code}: {response.text[:200]}"
 
 
 def run_chat(

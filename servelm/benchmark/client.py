@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from servelm.benchmark.dataset import BenchRequest
+from servelm.clients import envelope_message
 
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _MAX_MESSAGE = 200
@@ -74,11 +75,8 @@ def _short(message: str) -> str:
 
 
 def _http_error(response: httpx.Response) -> str:
-    try:
-        detail = response.json()["error"]["message"]
-    except Exception:
-        detail = response.text
-    return _short(f"HTTP {response.status_code}: {detail}")
+    detail = envelope_message(response)
+    return _short(f"HTTP {response.status_code}: {detail if detail is not None else response.text}")
 
 
 async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], result: RequestResult, chat: bool) -> None:
