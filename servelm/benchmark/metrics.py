@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from servelm.benchmark.client import RequestResult
 
@@ -19,16 +21,12 @@ SLO_METRICS = ("ttft", "tpot", "e2el")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation between ranks (numpy's default)."""
+    """The ``q``-th percentile (0..100) with linear interpolation between ranks."""
     if not values:
         raise ValueError("percentile of no values")
     if not 0 <= q <= 100:
         raise ValueError(f"percentile {q} is outside 0..100")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return float(np.percentile(values, q))
 
 
 @dataclass(frozen=True)
@@ -47,20 +45,19 @@ class Distribution:
     @classmethod
     def of_seconds(cls, values: Iterable[float]) -> Distribution:
         """The distribution of ``values`` (seconds), reported in milliseconds."""
-        ms = [v * 1000.0 for v in values]
-        if not ms:
+        ms = np.asarray(list(values), dtype=np.float64) * 1000.0
+        if not ms.size:
             return cls()
-        mean = sum(ms) / len(ms)
-        std = math.sqrt(sum((v - mean) ** 2 for v in ms) / len(ms))  # population std, as numpy.std
+        median, p90, p99 = (float(v) for v in np.percentile(ms, [50, 90, 99]))
         return cls(
-            count=len(ms),
-            mean=mean,
-            std=std,
-            median=percentile(ms, 50),
-            p90=percentile(ms, 90),
-            p99=percentile(ms, 99),
-            min=min(ms),
-            max=max(ms),
+            count=int(ms.size),
+            mean=float(ms.mean()),
+            std=float(ms.std()),  # population std
+            median=median,
+            p90=p90,
+            p99=p99,
+            min=float(ms.min()),
+            max=float(ms.max()),
         )
 
 
