@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
@@ -12,18 +11,9 @@ import pytest
 
 from .conftest import ThreadedServer, make_app
 from .fake_connector import FakeConnector
+from .test_chat import chunks
 
 CHAT = {"model": "fake-chat", "messages": [{"role": "user", "content": "x"}]}
-
-
-def events(body: str) -> list:
-    """The data of each SSE event, JSON-decoded ([DONE] kept as is)."""
-    out = []
-    for line in body.splitlines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 class Draining(ThreadedServer):
@@ -110,10 +100,9 @@ def test_sigterm_refuses_new_work_and_lets_streams_finish():
         srv.release(fake)
         thread.join(timeout=10)
         srv.wait_stopped()
-    body = events(result[0].text)
-    assert body[-1] == "[DONE]"
-    assert body[-2]["choices"][0]["finish_reason"] == "stop"
-    assert "".join(e["choices"][0]["delta"].get("content", "") for e in body[:-1]) == "Hello world"
+    body = chunks(result[0].text)  # ends with [DONE]
+    assert body[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in body) == "Hello world"
     assert fake.aborted == []
     assert srv.server.exit_code == 0
 
@@ -133,9 +122,8 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(stream):
         srv.wait_stopped()
     r = result[0]
     if stream:
-        body = events(r.text)
-        assert r.status_code == 200 and body[-1] == "[DONE]"
-        assert body[-2]["error"]["code"] == "server_shutting_down"
+        assert r.status_code == 200
+        assert chunks(r.text)[-1]["error"]["code"] == "server_shutting_down"  # then [DONE]
     else:
         assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
     assert fake.aborted == ["chatcmpl-test"]
