@@ -11,8 +11,9 @@
 # before the next one starts. Results: $OUT/<server>.json and $OUT/table.md,
 # the table bench/compare_table.py makes of them (also printed).
 #
-# Servers: servelm, servelm:bf16 (--dtype bfloat16), servelm:int8
-# (--quantization int8), vllm_cpu, llama_server
+# Servers: servelm (--dtype auto), servelm:bf16 (--dtype bfloat16),
+# servelm:fp32 (--dtype float32), servelm:int8 (--quantization int8),
+# vllm_cpu, llama_server
 # (F16 GGUF), llama_server:q8_0, transformers_serve. A peer that is not
 # installed is skipped with a note (install it: bench/peers/NAME.sh install).
 #
@@ -78,6 +79,7 @@ for server in "${SERVERS[@]}"; do
     variant_env=()
     case $server in
     servelm:bf16) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--dtype bfloat16") ;;
+    servelm:fp32) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--dtype float32") ;;
     servelm:int8) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--quantization int8") ;;
     llama_server:?*) variant_env=("LLAMA_MODEL=$variant") ;;
     *:?*)

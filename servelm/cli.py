@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", metavar="NAME", help="the name clients send as 'model' for the chat model (default: --model as given)")
     g.add_argument("--chat-template", metavar="FILE", help="Jinja chat template file overriding the model's own (read at start-up)")
     g = serve.add_argument_group("engine")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help=f"weight and activation dtype; auto: float32 on CPU, bfloat16 on CUDA (default: {d('dtype')})")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help=f"weight and activation dtype; auto: bfloat16 on CUDA and on CPUs whose bfloat16 matmuls are fast (measured at start-up), else float32 (default: {d('dtype')})")
     g.add_argument("--device", metavar="DEVICE", help=f"cpu, cuda, cuda:N or auto (default: {d('device')})")
     g.add_argument("--max-num-seqs", metavar="N", help=f"most sequences running at once (default: {d('max_num_seqs')})")
     g.add_argument("--max-num-batched-tokens", metavar="N", help=f"token budget of one engine step (default: {d('max_num_batched_tokens')})")

@@ -14,7 +14,7 @@ class EngineConfig:
     RAM) at start-up.
     """
 
-    dtype: str = "auto"  # float32, bfloat16, float16 or auto (float32 on CPU, bfloat16 on CUDA)
+    dtype: str = "auto"  # float32, bfloat16, float16 or auto (see engine.device.resolve_dtype)
     device: str = "auto"  # cpu, cuda, cuda:N or auto
     block_size: int = 16
     max_num_seqs: int = 64

@@ -76,6 +76,9 @@ def server_process(extra_args: Sequence[str] = (), python_args: Sequence[str] = 
         "--host", "127.0.0.1",
         "--port", str(port),
         "--kv-cache-memory", str(KV_CACHE_BYTES),
+        # Pinned, so that a KV cache of KV_CACHE_BYTES holds the same tokens on
+        # every machine (``auto`` is bfloat16 on CPUs with fast bf16 matmuls).
+        "--dtype", "float32",
         "--log-level", "warning",
         *extra_args,
     ]

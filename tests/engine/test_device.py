@@ -1,0 +1,52 @@
+"""``auto`` dtype: bfloat16 on CUDA, and on a CPU only where its matmuls are clearly faster."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm.engine import device as device_mod
+from servelm.engine.device import resolve_dtype
+
+
+@pytest.fixture
+def timings(monkeypatch):
+    """Set the measured matmul seconds per dtype; clears the cached decision around the test."""
+    figures: dict[torch.dtype, float] = {}
+    monkeypatch.setattr(device_mod, "_matmul_seconds", lambda dtype: figures[dtype])
+    device_mod.cpu_prefers_bf16.cache_clear()
+    yield figures
+    device_mod.cpu_prefers_bf16.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("fp32_s", "bf16_s", "expected"),
+    [
+        (3.0, 1.0, torch.bfloat16),  # bf16 instructions: 3x faster
+        (3.0, 2.5, torch.float32),  # faster, but not by the margin
+        (1.0, 2.0, torch.float32),  # emulated bf16: slower
+    ],
+)
+def test_auto_on_cpu_follows_the_measured_matmul_speed(timings, fp32_s, bf16_s, expected):
+    timings.update({torch.float32: fp32_s, torch.bfloat16: bf16_s})
+    assert resolve_dtype("auto", torch.device("cpu")) == expected
+
+
+def test_auto_measures_once_per_process(timings, monkeypatch):
+    calls = []
+    monkeypatch.setattr(device_mod, "_matmul_seconds", lambda dtype: calls.append(dtype) or 1.0)
+    for _ in range(3):
+        resolve_dtype("auto", torch.device("cpu"))
+    assert calls == [torch.bfloat16, torch.float32]
+
+
+def test_auto_is_bf16_on_cuda_and_explicit_dtypes_are_kept(timings):
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert resolve_dtype(torch.float16, torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("int8", torch.device("cpu"))
+
+
+def test_the_real_measurement_returns_positive_seconds():
+    assert device_mod._matmul_seconds(torch.float32) > 0
