@@ -268,22 +268,26 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
 
 
 def random_choice(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Draw one index per row from ``probs`` (rows sum to 1).
+    """Draw one index per row from ``probs`` (rows sum to 1, up to rounding).
 
-    Exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` picks ``i`` with
-    probability ``p[i]``. A row with a generator draws its ``q`` from that
-    generator alone, so its token does not depend on the rest of the batch.
+    Inverse transform: one uniform number per row, looked up in the row's
+    running sum. A row with a generator draws its number from that generator
+    alone, so its token does not depend on the rest of the batch.
     """
-    u = torch.empty_like(probs)
+    rows = probs.shape[0]
+    u = torch.empty(rows, 1, dtype=probs.dtype, device=probs.device)
     if any(g is None for g in generators):
         u.uniform_()
     for i, g in enumerate(generators):
         if g is not None:
             u[i].uniform_(generator=g)
-    # -log(1 - u) is Exp(1), and on CPU far faster than exponential_(). A zero
-    # draw would turn a banned token's 0 / 0 into NaN, which argmax picks.
-    q = torch.log1p(-u).neg_().clamp_(min=torch.finfo(u.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the row's total, so that the first index whose running sum
+    # exceeds it is a token with a non-zero probability: a banned token adds
+    # nothing to the sum and can never be that index.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
 def _top_logprobs(raw_logprobs: torch.Tensor, states: list[SamplingState]) -> list | None:

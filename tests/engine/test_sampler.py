@@ -15,6 +15,7 @@ from servelm.engine.sampler import (
     apply_top_k,
     apply_top_p,
     make_generator,
+    random_choice,
     token_counts,
 )
 from servelm.engine.sampling_params import SamplingParams
@@ -314,3 +315,20 @@ def test_half_precision_logits_and_extreme_values():
 def test_rejects_mismatched_batch():
     with pytest.raises(ValueError):
         Sampler()(torch.randn(2, 5), [state()])
+
+
+def test_random_choice_follows_the_probabilities_and_never_draws_a_zero():
+    # Zero-probability tokens first, between and last: none may ever be drawn.
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
+    n = 100_000
+    draws = random_choice(probs.expand(n, -1).contiguous(), [None] * n)
+    freq = torch.bincount(draws, minlength=6) / n
+    assert freq[[0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
+    # 5 standard deviations of a binomial frequency at n = 100k is under 0.008.
+    assert torch.allclose(freq[[1, 3, 4]], probs[[1, 3, 4]], atol=0.008)
+
+
+def test_random_choice_with_all_mass_on_the_last_token():
+    probs = torch.zeros(1000, 7)
+    probs[:, 6] = 1.0
+    assert random_choice(probs, [None] * 1000).tolist() == [6] * 1000
