@@ -17,6 +17,7 @@ import torch
 
 from servelm.engine.config import EngineConfig
 from servelm.engine.device import resolve_device, resolve_dtype
+from servelm.engine.malloc import keep_freed_memory
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.models.attention import AttentionMetadata
@@ -53,6 +54,8 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model, self.model_config, self.tokenizer = load_model(model, self.dtype, self.device)
         if config.quantization == "int8":
             self._quantize_int8()
