@@ -22,6 +22,7 @@ from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.models.attention import AttentionMetadata
 from servelm.models.loader import load_model
+from servelm.models.packed import PackedLinear, can_pack, replace_linears
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class ModelRunner:
         self.model, self.model_config, self.tokenizer = load_model(model, self.dtype, self.device)
         if config.quantization == "int8":
             self._quantize_int8()
+        elif can_pack(self.dtype, self.device):
+            self._pack_weights()
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
@@ -84,6 +87,12 @@ class ModelRunner:
         head = model.model.embed_tokens.weight if model.lm_head is None else None
         count = quantize_int8(model, head)
         logger.info("quantized %d linear layers to int8 (weight-only)", count)
+
+    def _pack_weights(self) -> None:
+        model = self.model
+        head = model.model.embed_tokens.weight if model.lm_head is None else None
+        count = replace_linears(model, PackedLinear, head)
+        logger.info("prepacked %d linear layers for oneDNN", count)
 
     @property
     def block_bytes(self) -> int:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.models.packed import replace_linears
+
 QUANTIZATIONS = ("none", "int8")
 
 # Rows (tokens) up to which the int8 kernel beats float32 GEMM on a 2-core
@@ -67,12 +69,4 @@ def quantize_int8(model: nn.Module, head_weight: torch.Tensor | None) -> int:
     head module of its own (tied embeddings); it becomes ``model.lm_head``.
     Returns the number of layers quantized.
     """
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, Int8Linear(linear.weight, linear.bias))
-    if head_weight is not None:
-        model.lm_head = Int8Linear(head_weight)
-        return len(targets) + 1
-    return len(targets)
+    return replace_linears(model, Int8Linear, head_weight)

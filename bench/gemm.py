@@ -1,0 +1,73 @@
+"""The decoder's matmuls on CPU: float32 and bfloat16 ``F.linear`` against bfloat16 prepacked weights.
+
+Times every linear layer of one forward pass of a model shaped like
+SmolLM2-135M (30 layers: q/k/v, o, gate/up, down) plus its LM head, for a
+range of row counts M (M=1 is batch-1 decoding, large M is prefill). Prints
+milliseconds per pass, the median of --repeats, and the speed-up of packed
+bfloat16 over plain bfloat16 and over float32 in the same run. This is the
+measurement behind ``servelm/models/packed.py`` and ``--dtype auto``.
+
+    .venv/bin/python bench/gemm.py --rows 1 8 32 128 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from servelm.models.packed import PackedLinear, can_pack
+
+HIDDEN, FFN, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
+
+
+def _shapes(with_head: bool) -> list[tuple[int, int]]:
+    layer = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * FFN, HIDDEN), (HIDDEN, FFN)]
+    return layer * LAYERS + ([(VOCAB, HIDDEN)] if with_head else [])
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # oneDNN builds its kernels on the first call of a shape
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-head", action="store_true", help="leave out the 49152-row LM head")
+    args = ap.parse_args()
+
+    packable = can_pack(torch.bfloat16, torch.device("cpu"))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 packing available: {packable}")
+    shapes = _shapes(not args.no_head)
+    weights = {dt: [torch.randn(o, i).to(dt) for o, i in shapes] for dt in (torch.float32, torch.bfloat16)}
+    packed = [PackedLinear(w) for w in weights[torch.bfloat16]] if packable else []
+    header = f"{'M':>6} {'fp32 ms':>9} {'bf16 ms':>9} {'packed ms':>10} {'packed/bf16':>12} {'packed/fp32':>12}"
+    print(header)
+    with torch.inference_mode():
+        for m in args.rows:
+            inputs = {dt: {i: torch.randn(m, i).to(dt) for i in (HIDDEN, FFN)} for dt in weights}
+            plain = {
+                dt: _median_ms(lambda dt=dt: [F.linear(inputs[dt][w.shape[1]], w) for w in ws], args.repeats)
+                for dt, ws in weights.items()
+            }
+            fp32, bf16 = plain[torch.float32], plain[torch.bfloat16]
+            if packed:
+                x = inputs[torch.bfloat16]
+                pk = _median_ms(lambda: [p(x[p.in_features]) for p in packed], args.repeats)
+                print(f"{m:>6} {fp32:>9.1f} {bf16:>9.1f} {pk:>10.1f} {bf16 / pk:>11.2f}x {fp32 / pk:>11.2f}x")
+            else:
+                print(f"{m:>6} {fp32:>9.1f} {bf16:>9.1f} {'-':>10} {'-':>12} {'-':>12}")
+
+
+if __name__ == "__main__":
+    main()
