@@ -8,6 +8,7 @@ offset ``t % block_size``; its flat slot is ``block * block_size + offset``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,14 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0 past each table's end
     num_prefills: int  # sequences [0, num_prefills) are prefills
     num_prefill_tokens: int  # tokens [0, num_prefill_tokens) belong to prefills
-    # Decode part, precomputed once per step so every layer reuses it:
-    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64 on the device
+    # Decode part, precomputed once per step (``decode_mask``) so every layer reuses it:
+    decode_mask: torch.Tensor | None = None  # [num_decodes, longest decode context] bool on the device
+
+
+def decode_mask(context_lens: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """``[len(context_lens), max(context_lens)]`` bool: row i is True on its first ``context_lens[i]`` keys."""
+    lens = torch.tensor(context_lens, device=device)
+    return torch.arange(max(context_lens), device=device)[None, :] < lens[:, None]
 
 
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -74,6 +81,8 @@ def paged_attention(
     first. Returns ``[num_tokens, num_heads, head_dim]``.
     """
     write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+    if meta.num_prefills == 0:
+        return _decode_attention(query, kv_cache, meta, scale)
     out = torch.empty_like(query)
     start = 0
     for i in range(meta.num_prefills):
@@ -118,13 +127,10 @@ def _prefix_attention(
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query token per decode sequence, all sequences in one SDPA call."""
-    context_lens = meta.decode_context_lens
-    if context_lens is None:
-        context_lens = torch.tensor(meta.context_lens[meta.num_prefills :], device=q.device)
-    # max() of the Python list avoids a device sync on the tensor.
-    max_len = max(meta.context_lens[meta.num_prefills :])
-    keys, values = gather_kv(kv_cache, meta.block_tables[meta.num_prefills :], max_len)
-    mask = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]  # [num_decodes, max_len]
+    mask = meta.decode_mask
+    if mask is None:
+        mask = decode_mask(meta.context_lens[meta.num_prefills :], q.device)
+    keys, values = gather_kv(kv_cache, meta.block_tables[meta.num_prefills :], mask.shape[1])
     return _grouped_attention(q[:, None], keys, values, mask[:, None], scale)[:, 0]
 
 
@@ -145,6 +151,9 @@ def _grouped_attention(
     # Head h reads KV head h // group, as in HF's repeat_kv.
     q = q.reshape(batch, q_len, num_kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(batch, num_kv_heads, group * q_len, dim)
-    mask = mask[:, None].expand(batch, group, q_len, mask.shape[-1]).reshape(batch, 1, group * q_len, mask.shape[-1])
+    if q_len == 1:
+        mask = mask[:, None]  # [batch, 1, 1, kv_len] broadcasts over heads and the group's rows
+    else:
+        mask = mask[:, None].expand(batch, group, q_len, mask.shape[-1]).reshape(batch, 1, group * q_len, -1)
     out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.view(batch, num_kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, dim)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from servelm.models.attention import AttentionMetadata, paged_attention
+from servelm.models.attention import AttentionMetadata, decode_mask, paged_attention
 
 
 def dense_reference(q, k, v, scale):
@@ -75,7 +75,7 @@ def make_case(prefills, decodes, num_heads, num_kv_heads, head_dim=16, block_siz
         block_tables=block_tables,
         num_prefills=len(prefills),
         num_prefill_tokens=sum(q_len for _, q_len in prefills),
-        decode_context_lens=torch.tensor(list(decodes)) if precompute and decodes else None,
+        decode_mask=decode_mask(list(decodes), "cpu") if precompute and decodes else None,
     )
     return Case(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, torch.cat(expected), scale)
 
@@ -97,7 +97,7 @@ def test_matches_dense_reference(name, num_heads, num_kv_heads):
     torch.testing.assert_close(case.run(), case.expected, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_lengths_computed_when_not_precomputed():
+def test_decode_mask_computed_when_not_precomputed():
     case = make_case([(5, 5)], [12, 7], 4, 2, precompute=False)
     torch.testing.assert_close(case.run(), case.expected, atol=1e-5, rtol=1e-5)
 
