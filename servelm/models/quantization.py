@@ -5,8 +5,9 @@ scale per output row (symmetric, round to nearest). Decoding a few sequences
 is bound by reading the weights, so small batches run torch's int8
 weight-only kernel (``aten._weight_int8pack_mm``, bf16 activations), which
 reads a quarter of the float32 bytes. Large batches are bound by compute,
-where that kernel is slow, so they run a float32 GEMM on the same weights
-dequantized once. Both paths compute with the quantized weights: the model
+where that kernel is slow, so they run a GEMM in the model's dtype on the
+same weights dequantized once (prepacked for oneDNN in bfloat16, as
+``packed.py`` does for unquantized models). Both paths compute with the quantized weights: the model
 is the same at every batch size, up to the activations' rounding.
 
 The float copy costs memory: this mode trades memory for latency at low
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelm.models.packed import replace_linears
+from servelm.models.packed import PackedLinear, can_pack, replace_linears
 
 QUANTIZATIONS = ("none", "int8")
 
@@ -38,10 +39,12 @@ class Int8Linear(nn.Module):
         qweight = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales)
-        # The dequantized weights, in the model's dtype, for large batches.
+        # The dequantized weights, in the model's dtype, for large batches;
+        # prepacked for oneDNN where bfloat16 packing pays (see packed.py).
         self.register_buffer("weight", (qweight.float() * scales.float()[:, None]).to(weight.dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.small_batch = small_batch
+        self.dense = PackedLinear(self.weight, self.bias) if can_pack(weight.dtype, weight.device) else None
 
     @property
     def in_features(self) -> int:
@@ -54,7 +57,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > self.small_batch:
-            return F.linear(x, self.weight, self.bias)
+            return self.dense(x) if self.dense is not None else F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16).contiguous()
         out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales).to(x.dtype)
         if self.bias is not None:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.models.packed import can_pack
 from servelm.models.quantization import SMALL_BATCH, Int8Linear, quantize_int8
 
 
@@ -30,6 +31,20 @@ def test_small_and_large_batches_compute_with_the_same_quantized_weights(rows):
     assert got.dtype == torch.float32 and got.shape == (rows, 48)
     # The int8 kernel takes bf16 activations: agreement to bf16 precision.
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="this CPU/torch build has no bf16 oneDNN packing")
+@pytest.mark.parametrize("rows", [1, SMALL_BATCH + 1, 40])
+def test_bfloat16_layer_packs_its_dense_copy_for_large_batches(rows):
+    torch.manual_seed(2)
+    weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
+    layer = Int8Linear(weight, bias)
+    assert layer.dense is not None
+    x = torch.randn(rows, 64).bfloat16()
+    expected = F.linear(x.float(), layer.weight.float(), bias.float())
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
 def test_leading_axes_are_kept():
