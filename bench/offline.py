@@ -43,7 +43,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-single", type=int, default=2, help="requests HF runs one at a time (its rate is per request)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (servelm's choice for this CPU; HF runs the same)")
+    ap.add_argument("--hf-dtype", default=None, help="dtype of the HF baseline (default: --dtype's)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args()
@@ -51,20 +52,22 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from servelm import LLM, SamplingParams
+    from servelm.engine.device import resolve_dtype
     from servelm.models.registry import resolve_model_path
 
-    dtype = getattr(torch, args.dtype)
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    llm = LLM(args.model, dtype=str(dtype).removeprefix("torch."), device="cpu", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=2 << 30)
     vocab = llm.engine.runner.model_config.vocab_size
     prompts = _prompts(vocab, args.num_prompts, args.input_len, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
+    hf_dtype = resolve_dtype(args.hf_dtype, torch.device("cpu")) if args.hf_dtype else dtype
     path = resolve_model_path(args.model)
     if path.suffix == ".gguf":
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=hf_dtype)
     else:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype)
     hf.eval()
 
     def hf_generate(batch: list[list[int]]) -> None:
@@ -83,7 +86,7 @@ def main() -> None:
     hf_single = _median_rate(lambda: [hf_generate([p]) for p in single], len(single) * args.output_len, args.repeats)
     hf_batched = _median_rate(lambda: hf_generate(prompts), n_out, args.repeats)
 
-    print(f"model {args.model} {args.dtype} cpu threads={torch.get_num_threads()}")
+    print(f"model {args.model}, servelm {dtype}, HF {hf_dtype}, cpu threads={torch.get_num_threads()}")
     print(f"{args.num_prompts} requests x {args.input_len} prompt + {args.output_len} output tokens, "
           f"median of {args.repeats}")
     print(f"{'':34s}{'output tok/s':>14s}")
