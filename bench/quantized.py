@@ -1,5 +1,8 @@
 """Weight-only int8 against float32 (and bfloat16 for scale): batch-1 decode speed and greedy agreement.
 
+int8 runs twice: over float32 activations, and over bfloat16 ones (what
+``--quantization int8`` runs where ``--dtype auto`` picks bfloat16).
+
 Each prompt is generated greedily one request at a time (batch 1, where the
 int8 kernel runs) with each variant. Prints batch-1 output tokens/s for each
 (median of --repeats) and its ratio to float32, and how far its greedy
@@ -46,7 +49,12 @@ def main() -> None:
 
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     results = {}
-    variants = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8")}
+    variants = {
+        "float32": ("float32", "none"),
+        "bfloat16": ("bfloat16", "none"),
+        "int8": ("float32", "int8"),  # float32 activations
+        "int8-bf16": ("bfloat16", "int8"),  # what --quantization int8 runs where --dtype auto is bfloat16
+    }
     for name, (dtype, quantization) in variants.items():
         llm = LLM(args.model, dtype=dtype, device="cpu", kv_cache_memory=256 << 20, quantization=quantization)
         llm.generate(PROMPTS[0], greedy)  # warm-up
@@ -58,10 +66,10 @@ def main() -> None:
                 outputs.append(llm.generate(prompt, greedy)[0].outputs[0].token_ids)
             rates.append(len(PROMPTS) * args.tokens / (time.perf_counter() - t0))
         results[name] = (statistics.median(rates), outputs)
-        print(f"{name:>8}: batch-1 decode {results[name][0]:.1f} tok/s", flush=True)
+        print(f"{name:>9}: batch-1 decode {results[name][0]:.1f} tok/s", flush=True)
 
     fp_rate, fp_out = results["float32"]
-    for name in ("bfloat16", "int8"):
+    for name in ("bfloat16", "int8", "int8-bf16"):
         rate, out = results[name]
         identical = sum(a == b for a, b in zip(fp_out, out))
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) / len(a) for a, b in zip(fp_out, out)]
