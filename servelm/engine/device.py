@@ -48,12 +48,12 @@ def cpu_prefers_bf16() -> bool:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 on CUDA and on a CPU whose bfloat16 matmuls are fast, float32 on other CPUs."""
+    """``auto`` is bfloat16 on CUDA and on a CPU whose bfloat16 matmuls are fast, else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        native = device.type == "cuda" or cpu_prefers_bf16()
-        return torch.bfloat16 if native else torch.float32
+        fast = device.type == "cuda" or (device.type == "cpu" and cpu_prefers_bf16())
+        return torch.bfloat16 if fast else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]

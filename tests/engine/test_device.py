@@ -48,5 +48,10 @@ def test_auto_is_bf16_on_cuda_and_explicit_dtypes_are_kept(timings):
         resolve_dtype("int8", torch.device("cpu"))
 
 
+def test_auto_on_other_devices_is_float32_whatever_the_cpu(timings):
+    timings.update({torch.float32: 3.0, torch.bfloat16: 1.0})
+    assert resolve_dtype("auto", torch.device("mps")) == torch.float32
+
+
 def test_the_real_measurement_returns_positive_seconds():
     assert device_mod._matmul_seconds(torch.float32) > 0
