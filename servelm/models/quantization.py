@@ -7,11 +7,13 @@ weight-only kernel (``aten._weight_int8pack_mm``, bf16 activations), which
 reads a quarter of the float32 bytes. Large batches are bound by compute,
 where that kernel is slow, so they run a GEMM in the model's dtype on the
 same weights dequantized once (prepacked for oneDNN in bfloat16, as
-``packed.py`` does for unquantized models). Both paths compute with the quantized weights: the model
-is the same at every batch size, up to the activations' rounding.
+``packed.py`` does for unquantized models). Both paths compute with the
+quantized weights: the model is the same at every batch size, up to the
+activations' rounding.
 
-The float copy costs memory: this mode trades memory for latency at low
-concurrency; it is CPU-only (the kernel's CPU path is what it is for).
+The dense copy costs memory (in bfloat16 only its prepacked form is kept):
+this mode trades memory for latency at low concurrency; it is CPU-only (the
+kernel's CPU path is what it is for).
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ class Int8Linear(nn.Module):
         qweight = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales)
-        # The dequantized weights, in the model's dtype, for large batches;
-        # prepacked for oneDNN where bfloat16 packing pays (see packed.py).
-        self.register_buffer("weight", (qweight.float() * scales.float()[:, None]).to(weight.dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.small_batch = small_batch
-        self.dense = PackedLinear(self.weight, self.bias) if can_pack(weight.dtype, weight.device) else None
+        # The dequantized weights, in the model's dtype, for large batches:
+        # only a oneDNN-prepacked copy where bfloat16 packing pays (packed.py).
+        dense = (qweight.float() * scales.float()[:, None]).to(weight.dtype)
+        packable = can_pack(weight.dtype, weight.device)
+        self.dense = PackedLinear(dense, self.bias) if packable else None
+        self.register_buffer("weight", None if packable else dense)
 
     @property
     def in_features(self) -> int:
@@ -57,7 +61,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > self.small_batch:
-            return self.dense(x) if self.dense is not None else F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias) if self.dense is None else self.dense(x)
         flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16).contiguous()
         out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales).to(x.dtype)
         if self.bias is not None:
