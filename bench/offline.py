@@ -55,9 +55,9 @@ def main() -> None:
     from servelm.engine.device import resolve_dtype
     from servelm.models.registry import resolve_model_path
 
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    llm = LLM(args.model, dtype=str(dtype).removeprefix("torch."), device="cpu", max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=2 << 30)
+    dtype = llm.engine.runner.dtype  # what --dtype (auto included) resolved to
     vocab = llm.engine.runner.model_config.vocab_size
     prompts = _prompts(vocab, args.num_prompts, args.input_len, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -83,16 +83,17 @@ class ModelRunner:
 
         if self.device.type != "cpu":
             raise ValueError(f"quantization int8 runs on CPU only (its kernel is a CPU one); the device is {self.device}")
-        model = self.model
-        head = model.model.embed_tokens.weight if model.lm_head is None else None
-        count = quantize_int8(model, head)
+        count = quantize_int8(self.model, self._tied_head())
         logger.info("quantized %d linear layers to int8 (weight-only)", count)
 
     def _pack_weights(self) -> None:
-        model = self.model
-        head = model.model.embed_tokens.weight if model.lm_head is None else None
-        count = replace_linears(model, PackedLinear, head)
+        count = replace_linears(self.model, PackedLinear, self._tied_head())
         logger.info("prepacked %d linear layers for oneDNN", count)
+
+    def _tied_head(self) -> torch.Tensor | None:
+        """The embedding's weight when the LM head is tied to it (no head module of its own), else None."""
+        model = self.model
+        return model.model.embed_tokens.weight if model.lm_head is None else None
 
     @property
     def block_bytes(self) -> int:
