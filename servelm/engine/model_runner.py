@@ -20,7 +20,8 @@ from servelm.engine.device import resolve_device, resolve_dtype
 from servelm.engine.malloc import keep_freed_memory
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import SchedulerOutput
-from servelm.models.attention import AttentionMetadata, decode_mask
+from servelm.kernels import decode_attention_kernel
+from servelm.models.attention import AttentionMetadata
 from servelm.models.loader import load_model
 from servelm.models.packed import PackedLinear, can_pack, replace_linears
 
@@ -57,6 +58,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
+            decode_attention_kernel()  # build it now (once per machine), not in the first decode step
         self.model, self.model_config, self.tokenizer = load_model(model, self.dtype, self.device)
         if config.quantization == "int8":
             self._quantize_int8()
@@ -167,7 +169,7 @@ class ModelRunner:
             block_tables=block_tables.to(dev),
             num_prefills=num_prefills,
             num_prefill_tokens=sum(query_lens[:num_prefills]),
-            decode_mask=decode_mask(decode_lens, dev) if decode_lens else None,
+            decode_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev) if decode_lens else None,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),

@@ -8,11 +8,12 @@ offset ``t % block_size``; its flat slot is ``block * block_size + offset``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from servelm.kernels import decode_attention_kernel
 
 
 @dataclass
@@ -30,14 +31,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0 past each table's end
     num_prefills: int  # sequences [0, num_prefills) are prefills
     num_prefill_tokens: int  # tokens [0, num_prefill_tokens) belong to prefills
-    # Decode part, precomputed once per step (``decode_mask``) so every layer reuses it:
-    decode_mask: torch.Tensor | None = None  # [num_decodes, longest decode context] bool on the device
-
-
-def decode_mask(context_lens: Sequence[int], device: torch.device | str) -> torch.Tensor:
-    """``[len(context_lens), max(context_lens)]`` bool: row i is True on its first ``context_lens[i]`` keys."""
-    lens = torch.tensor(context_lens, device=device)
-    return torch.arange(max(context_lens), device=device)[None, :] < lens[:, None]
+    # The decodes' context_lens as a tensor, made once per step so every layer reuses it:
+    decode_lens: torch.Tensor | None = None  # [num_decodes] int64 on the device
 
 
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -126,11 +121,22 @@ def _prefix_attention(
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query token per decode sequence, all sequences in one SDPA call."""
-    mask = meta.decode_mask
-    if mask is None:
-        mask = decode_mask(meta.context_lens[meta.num_prefills :], q.device)
-    keys, values = gather_kv(kv_cache, meta.block_tables[meta.num_prefills :], mask.shape[1])
+    """One query token per decode sequence.
+
+    On CPU the native kernel reads the cache blocks in place; elsewhere (or
+    where it could not be built) the sequences' K/V are gathered and all of
+    them go through one SDPA call.
+    """
+    context_lens = meta.context_lens[meta.num_prefills :]
+    lens = meta.decode_lens
+    if lens is None:
+        lens = torch.tensor(context_lens, device=q.device)
+    tables = meta.block_tables[meta.num_prefills :]
+    kernel = decode_attention_kernel() if q.device.type == "cpu" else None
+    if kernel is not None and kernel.supports(q, kv_cache):
+        return kernel(q, kv_cache, tables, lens, scale)
+    mask = torch.arange(max(context_lens), device=q.device)[None, :] < lens[:, None]
+    keys, values = gather_kv(kv_cache, tables, mask.shape[1])
     return _grouped_attention(q[:, None], keys, values, mask[:, None], scale)[:, 0]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelm.models.attention import AttentionMetadata, decode_mask
+from servelm.models.attention import AttentionMetadata
 
 
 class PagedRunner:
@@ -56,7 +56,7 @@ class PagedRunner:
             block_tables=torch.tensor(tables, device=device),
             num_prefills=len(prefills),
             num_prefill_tokens=sum(len(ids) for _, ids in prefills),
-            decode_mask=decode_mask(context_lens[len(prefills) :], device) if len(prefills) < len(context_lens) else None,
+            decode_lens=torch.tensor(context_lens[len(prefills) :], device=device) if len(prefills) < len(context_lens) else None,
         )
         with torch.inference_mode():
             hidden = self.model(

@@ -4,10 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import shutil
+
 import pytest
 import torch
 
-from servelm.models.attention import AttentionMetadata, decode_mask, paged_attention
+from servelm import kernels
+from servelm.models import attention
+from servelm.models.attention import AttentionMetadata, paged_attention
+
+
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def decode_backend(request, monkeypatch):
+    """Every test runs with the native CPU decode kernel and with the PyTorch (gather + SDPA) path."""
+    if request.param == "torch":
+        monkeypatch.setattr(attention, "decode_attention_kernel", lambda: None)
+    elif kernels.decode_attention_kernel() is None:
+        if shutil.which("cc") is not None:
+            pytest.fail("a C compiler is here but the native decode kernel did not build (see the warning)")
+        pytest.skip("no C compiler: the native kernel cannot be built on this machine")
+    return request.param
 
 
 def dense_reference(q, k, v, scale):
@@ -75,7 +91,7 @@ def make_case(prefills, decodes, num_heads, num_kv_heads, head_dim=16, block_siz
         block_tables=block_tables,
         num_prefills=len(prefills),
         num_prefill_tokens=sum(q_len for _, q_len in prefills),
-        decode_mask=decode_mask(list(decodes), "cpu") if precompute and decodes else None,
+        decode_lens=torch.tensor(list(decodes)) if precompute and decodes else None,
     )
     return Case(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, torch.cat(expected), scale)
 
@@ -97,7 +113,7 @@ def test_matches_dense_reference(name, num_heads, num_kv_heads):
     torch.testing.assert_close(case.run(), case.expected, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_mask_computed_when_not_precomputed():
+def test_decode_lens_computed_when_not_precomputed():
     case = make_case([(5, 5)], [12, 7], 4, 2, precompute=False)
     torch.testing.assert_close(case.run(), case.expected, atol=1e-5, rtol=1e-5)
 
@@ -114,6 +130,18 @@ def test_new_kv_written_at_slots():
     flat = case.cache.view(2, -1, *case.cache.shape[-2:])
     torch.testing.assert_close(flat[0, case.meta.slot_mapping], case.key)
     torch.testing.assert_close(flat[1, case.meta.slot_mapping], case.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (16, 2, 32)])
+def test_long_decodes_at_model_shapes(dtype, num_heads, num_kv_heads, head_dim):
+    """Contexts across many 16-token blocks, at real head shapes, in both cache dtypes."""
+    case = make_case([], [1, 16, 17, 250, 129], num_heads, num_kv_heads, head_dim=head_dim, block_size=16, seed=7)
+    got = paged_attention(
+        case.query.to(dtype), case.key.to(dtype), case.value.to(dtype), case.cache.to(dtype), case.meta, case.scale
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), case.expected, atol=tol, rtol=tol)
 
 
 def test_swapped_block_tables_change_the_result():

@@ -1,0 +1,135 @@
+"""Decode attention on CPU: the native paged kernel against the PyTorch path (gather + SDPA), in one run.
+
+Part 1 times one layer's decode attention at the model's head shapes for a few
+batch sizes and context lengths, and reports the largest difference of each
+path from a float64 reference. Part 2 runs the engine on the same requests
+with each path (alternating, median of --repeats) and prints output tokens/s
+and the ratio.
+
+    .venv/bin/python bench/attention.py
+    .venv/bin/python bench/attention.py --num-prompts 32 --input-len 128 --output-len 128 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from unittest import mock
+
+import torch
+
+from servelm.engine.malloc import keep_freed_memory
+from servelm.kernels import decode_attention_kernel
+from servelm.models import attention
+from servelm.models.attention import AttentionMetadata, paged_attention
+
+PYTORCH_PATH = mock.patch.object(attention, "decode_attention_kernel", lambda: None)
+
+
+def _median_us(fn, calls: int = 30, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def layer_case(batch, context, heads, kv_heads, head_dim, dtype, block_size=16, seed=0):
+    """A decode-only step over a shuffled paged cache; returns (run, float64 reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-context // block_size)
+    cache = torch.randn(2, batch * blocks + 8, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(cache.shape[1], generator=gen)[: batch * blocks].view(batch, blocks)
+    lens = [max(1, context - 5 * (i % 4)) for i in range(batch)]
+    query = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    new_kv = torch.randn(batch, kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.tensor([tables[i, (n - 1) // block_size] * block_size + (n - 1) % block_size for i, n in enumerate(lens)])
+    meta = AttentionMetadata(slot_mapping=slots, query_lens=[1] * batch, context_lens=lens, block_tables=tables,
+                             num_prefills=0, num_prefill_tokens=0, decode_lens=torch.tensor(lens))
+    scale = head_dim**-0.5
+
+    def run():
+        return paged_attention(query, new_kv, new_kv, cache, meta, scale)
+
+    run()  # writes the new K/V, so the reference below sees them
+    flat = cache.flatten(1, 2).double()
+    group = heads // kv_heads
+    ref = []
+    for i, n in enumerate(lens):
+        seq_slots = [tables[i, t // block_size] * block_size + t % block_size for t in range(n)]
+        k = flat[0, seq_slots].repeat_interleave(group, 1)
+        v = flat[1, seq_slots].repeat_interleave(group, 1)
+        w = (torch.einsum("hd,nhd->hn", query[i].double(), k) * scale).softmax(-1)
+        ref.append(torch.einsum("hn,nhd->hd", w, v))
+    return run, torch.stack(ref)
+
+
+def part_layer(dtype: torch.dtype) -> None:
+    print(f"one layer's decode attention, 9 heads / 3 KV heads x 64 (SmolLM2-135M), {dtype}, "
+          f"threads={torch.get_num_threads()}")
+    print(f"{'batch':>6s}{'context':>9s}{'pytorch us':>12s}{'native us':>11s}{'ratio':>8s}{'err pytorch':>13s}{'err native':>12s}")
+    for batch, context in [(1, 200), (1, 1000), (8, 200), (32, 100), (32, 200), (32, 500)]:
+        run, ref = layer_case(batch, context, 9, 3, 64, dtype)
+        native_err = (run().double() - ref).abs().max().item()
+        native = _median_us(run)
+        with PYTORCH_PATH:
+            torch_err = (run().double() - ref).abs().max().item()
+            pytorch = _median_us(run)
+        print(f"{batch:6d}{context:9d}{pytorch:12.1f}{native:11.1f}{pytorch / native:7.2f}x{torch_err:13.2e}{native_err:12.2e}")
+
+
+def part_engine(args) -> None:
+    from servelm import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.num_prompts, kv_cache_memory=2 << 30)
+    gen = torch.Generator().manual_seed(0)
+    vocab = llm.engine.runner.model_config.vocab_size
+    prompts = [torch.randint(100, vocab, (args.input_len,), generator=gen).tolist() for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+
+    def rate(batch) -> float:
+        start = time.perf_counter()
+        llm.generate(batch, params)
+        return len(batch) * args.output_len / (time.perf_counter() - start)
+
+    rows = {}
+    for label, batch in [(f"batch {args.num_prompts}", prompts), ("batch 1", prompts[:1])]:
+        native, pytorch = [], []
+        for _ in range(args.repeats):
+            native.append(rate(batch))
+            with PYTORCH_PATH:
+                pytorch.append(rate(batch))
+        rows[label] = statistics.median(pytorch), statistics.median(native)
+    print(f"\nengine, {llm.engine.runner.dtype}, {args.input_len} prompt + {args.output_len} output tokens, "
+          f"median of {args.repeats} (alternating)")
+    print(f"{'':10s}{'pytorch tok/s':>15s}{'native tok/s':>14s}{'ratio':>8s}")
+    for label, (pytorch, native) in rows.items():
+        print(f"{label:10s}{pytorch:15.1f}{native:14.1f}{native / pytorch:7.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="auto", help="the engine's dtype (auto: servelm's choice for this CPU)")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-engine", action="store_true", help="part 1 only")
+    args = ap.parse_args()
+    keep_freed_memory()  # as the engine does
+    if decode_attention_kernel() is None:
+        raise SystemExit("the native kernel is not available here (see the warning above)")
+    for dtype in (torch.bfloat16, torch.float32):
+        part_layer(dtype)
+    if not args.skip_engine:
+        part_engine(args)
+
+
+if __name__ == "__main__":
+    main()
