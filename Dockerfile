@@ -23,7 +23,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# gcc builds servelm's CPU attention kernel on first start, for the host's CPU
+# gcc builds servelm's CPU kernels on first start, for the host's CPU
 # (servelm/kernels); without it the server runs, with slower CPU decoding.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends make gcc libc6-dev \

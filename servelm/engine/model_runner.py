@@ -20,7 +20,7 @@ from servelm.engine.device import resolve_device, resolve_dtype
 from servelm.engine.malloc import keep_freed_memory
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import SchedulerOutput
-from servelm.kernels import decode_attention_kernel
+from servelm.kernels import cpu_kernels
 from servelm.models.attention import AttentionMetadata
 from servelm.models.loader import load_model
 from servelm.models.packed import PackedLinear, can_pack, replace_linears
@@ -58,7 +58,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
-            decode_attention_kernel()  # build it now (once per machine), not in the first decode step
+            cpu_kernels()  # build them now (once per machine), not in the first step
         self.model, self.model_config, self.tokenizer = load_model(model, self.dtype, self.device)
         if config.quantization == "int8":
             self._quantize_int8()

@@ -1,20 +1,23 @@
 """Native CPU kernels, compiled from C on first use.
 
-PyTorch has no CPU kernel for attention over a paged KV cache: the portable
-path gathers every sequence's keys and values into a dense copy and calls
-SDPA, whose CPU kernel spends most of its time on per-head overhead when
-each sequence has a single query token. ``paged_attention.c`` reads the
-cache blocks in place instead (3-5x faster per layer, see docs/BENCHMARKS.md).
+- ``paged_attention.c``: decode attention over the paged KV cache. PyTorch has
+  no CPU kernel for it: the portable path gathers every sequence's keys and
+  values into a dense copy and calls SDPA, whose CPU kernel spends most of its
+  time on per-head overhead when each sequence has one query token. This one
+  reads the cache blocks in place (2-4x faster per layer, bench/attention.py).
+- ``fused_ops.c``: the decoder's elementwise chains (residual add + RMSNorm,
+  RoPE on q and k, SiLU * up), one call each instead of up to 20 small
+  PyTorch ops, whose per-op overhead dominates a small batch.
 
-The source is compiled once per machine with the system's C compiler
-(``$CC``, default ``cc``) into the user's cache directory
+The sources are compiled once per machine with the system's C compiler
+(``$CC``, default ``cc``) into one library in the user's cache directory
 (``$XDG_CACHE_HOME/servelm/kernels``, default ``~/.cache/servelm/kernels``)
 and loaded with ctypes; ctypes releases the GIL for the call. The build uses
-``-march=native``, so the file name carries a hash of the source, the flags,
+``-march=native``, so the file name carries a hash of the sources, the flags,
 the compiler's version and this CPU's feature flags. A freshly loaded library
-is checked against PyTorch on a small case before it is used. Without a
-compiler, or if the build or the check fails, ``decode_attention_kernel()``
-returns None (with one warning) and callers keep the PyTorch path.
+is checked against PyTorch on small cases before it is used. Without a
+compiler, or if the build or the check fails, ``cpu_kernels()`` returns None
+(with one warning) and callers keep the PyTorch path.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
+_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 # Linked without -ffast-math: on older GCC that would link crtfastmath.o, whose
 # constructor switches the whole process to flush-to-zero.
@@ -60,51 +63,72 @@ def _build(compiler: str) -> Path:
     """Compile the source unless this machine's build is cached; returns the library's path."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (
+        *(source.read_bytes() for source in _SOURCES),
+        " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode(),
+        version.encode(),
+        _cpu_flags().encode(),
+    ):
         key.update(part)
-    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"servelm_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "paged_attention.o", Path(tmp) / "paged_attention.so"
-        for cmd in (
-            [compiler, *_COMPILE_FLAGS, "-c", str(_SOURCE), "-o", str(obj)],
-            [compiler, str(obj), "-o", str(lib), *_LINK_FLAGS],
-        ):
+        objects = [Path(tmp) / f"{source.stem}.o" for source in _SOURCES]
+        lib = Path(tmp) / "servelm_kernels.so"
+        commands = [[compiler, *_COMPILE_FLAGS, "-c", str(src), "-o", str(obj)] for src, obj in zip(_SOURCES, objects)]
+        commands.append([compiler, *map(str, objects), "-o", str(lib), *_LINK_FLAGS])
+        for cmd in commands:
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
         os.replace(lib, target)  # atomic: a concurrent process sees no half-written file
-    logger.info("compiled the CPU attention kernel into %s", target)
+    logger.info("compiled servelm's CPU kernels into %s", target)
     return target
 
 
-_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
-_DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+_P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {  # C function (without its dtype suffix) -> argument types; all return void
+    "paged_decode": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _T],
+    "add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _T],
+    "rope": [_P, _I, _I, _I, _I, _P, _P, _T],
+    "silu_mul": [_P, _P, _I, _I, _T],
+}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
-class DecodeAttention:
-    """The loaded kernel: one query token per sequence over the paged cache (bfloat16 or float32)."""
+class CpuKernels:
+    """The loaded library: bfloat16 and float32 CPU tensors.
+
+    The kernels trust their inputs past the checks below: the engine (block
+    manager, model code) builds every table, slot and position they read.
+    """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {torch.bfloat16: lib.paged_decode_bf16, torch.float32: lib.paged_decode_f32}
-        for fn in self._fns.values():
-            fn.argtypes = _DECODE_ARGS
-            fn.restype = None
+        self._fns = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
+                self._fns[name, dtype] = fn
 
-    def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        return query.device.type == "cpu" and query.dtype in self._fns and kv_cache.dtype == query.dtype
+    @staticmethod
+    def supports(*tensors: torch.Tensor) -> bool:
+        """Whether these tensors can go to the kernels: CPU, one dtype, bfloat16 or float32."""
+        dtype = tensors[0].dtype
+        return dtype in _SUFFIX and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
 
-    def __call__(
+    def decode_attention(
         self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """``query`` ``[B, H, D]``; ``kv_cache`` ``[2, blocks, block_size, KVH, D]`` (contiguous);
-        ``block_tables`` ``[B, max_blocks]`` int64; ``lens`` ``[B]`` int64, each in
-        ``[1, max_blocks * block_size]``. Returns ``[B, H, D]``.
+        """One query token per sequence over the paged cache.
 
-        The kernel trusts the tables: every entry a sequence reaches must be a
-        block of this cache (the engine's block manager guarantees it).
+        ``query`` ``[B, H, D]`` (each token's heads contiguous; the token axis
+        may be strided, as in a view of the fused QKV output); ``kv_cache``
+        ``[2, blocks, block_size, KVH, D]`` contiguous; ``block_tables``
+        ``[B, max_blocks]`` int64; ``lens`` ``[B]`` int64, each in
+        ``[1, max_blocks * block_size]``. Returns ``[B, H, D]`` contiguous.
         """
         batch, num_heads, head_dim = query.shape
         _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
@@ -112,35 +136,73 @@ class DecodeAttention:
             raise ValueError("decode attention: query, cache and lens shapes disagree")
         if not kv_cache.is_contiguous() or block_tables.dtype != torch.int64 or lens.dtype != torch.int64:
             raise ValueError("decode attention: the cache must be contiguous, tables and lens int64")
-        query, block_tables, lens = query.contiguous(), block_tables.contiguous(), lens.contiguous()
-        out = torch.empty_like(query)
-        self._fns[query.dtype](
-            query.data_ptr(),
-            kv_cache[0].data_ptr(),
-            kv_cache[1].data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.shape[1],
-            lens.data_ptr(),
-            out.data_ptr(),
-            batch,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
-            scale,
+        if query.stride(2) != 1 or query.stride(1) != head_dim:
+            query = query.contiguous()
+        block_tables, lens = block_tables.contiguous(), lens.contiguous()
+        out = query.new_empty(query.shape)
+        self._fns["paged_decode", query.dtype](
+            query.data_ptr(), query.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], lens.data_ptr(), out.data_ptr(),
+            batch, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """RMSNorm of ``x`` ``[..., hidden]`` (contiguous), as models.llama.RMSNorm computes it.
+
+        With ``residual`` (same shape, contiguous), first ``residual += x`` in
+        place, rounded to the dtype, and the norm is taken of the new residual.
+        """
+        hidden = x.shape[-1]
+        if not x.is_contiguous() or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous())):
+            raise ValueError("rms_norm: x and residual must be contiguous and of one shape")
+        out = torch.empty_like(x)
+        self._fns["add_rms_norm", x.dtype](
+            x.data_ptr(), None if residual is None else residual.data_ptr(), weight.contiguous().data_ptr(),
+            out.data_ptr(), x.numel() // hidden, hidden, eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rotate-half RoPE in place on the first ``heads`` heads of each row of ``x`` ``[T, width]``.
+
+        The rows may be strided (a fused QKV output's q and k part); ``cos_sin``
+        ``[max_positions, head_dim]`` float32, cos then sin; ``positions`` ``[T]`` int64.
+        """
+        if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] < heads * head_dim or head_dim % 2:
+            raise ValueError("rope: x must be [tokens, width] with unit column stride")
+        if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[1] != head_dim:
+            raise ValueError("rope: cos_sin must be contiguous float32 [positions, head_dim]")
+        if positions.dtype != torch.int64 or positions.shape != (x.shape[0],):
+            raise ValueError("rope: positions must be int64 [tokens]")
+        positions = positions.contiguous()
+        self._fns["rope", x.dtype](
+            x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos_sin.data_ptr(), positions.data_ptr(),
             torch.get_num_threads(),
+        )  # fmt: skip
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gate_up`` ``[..., 2 * inner]`` (contiguous), as models.llama.MLP computes it."""
+        if not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
+            raise ValueError("silu_mul: gate_up must be contiguous with an even last axis")
+        inner = gate_up.shape[-1] // 2
+        out = gate_up.new_empty((*gate_up.shape[:-1], inner))
+        self._fns["silu_mul", gate_up.dtype](
+            gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inner), inner, torch.get_num_threads()
         )
         return out
 
 
-def _reference(query, kv_cache, block_tables, lens, scale):
-    """The same attention in float64 PyTorch, for the self-check."""
+def _reference_attention(query, kv_cache, block_tables, lens, scale):
+    """Decode attention in float64 PyTorch, for the self-check."""
     block_size = kv_cache.shape[2]
     group = query.shape[1] // kv_cache.shape[3]
+    flat = kv_cache.flatten(1, 2).double()
     outs = []
     for b, n in enumerate(lens.tolist()):
         slots = [block_tables[b, t // block_size] * block_size + t % block_size for t in range(n)]
-        flat = kv_cache.flatten(1, 2).double()
         k = flat[0, slots].repeat_interleave(group, 1)  # [n, H, D]
         v = flat[1, slots].repeat_interleave(group, 1)
         weights = (torch.einsum("hd,nhd->hn", query[b].double(), k) * scale).softmax(-1)
@@ -148,30 +210,56 @@ def _reference(query, kv_cache, block_tables, lens, scale):
     return torch.stack(outs)
 
 
-def _self_check(kernel: DecodeAttention) -> None:
+def _self_check(kernels: CpuKernels) -> None:
+    """Each kernel against plain PyTorch on a small case, in both dtypes; RuntimeError on a mismatch."""
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(2, 6, 4, 2, 16, generator=gen)
-    tables = torch.tensor([[5, 1, 3], [0, 2, 4]])
-    lens = torch.tensor([11, 3])
+    tables, lens = torch.tensor([[5, 1, 3], [0, 2, 4]]), torch.tensor([11, 3])
     query = torch.randn(2, 6, 16, generator=gen)
-    expected = _reference(query, cache, tables, lens, 0.25).float()
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        got = kernel(query.to(dtype), cache.to(dtype), tables, lens, 0.25).float()
-        if not torch.allclose(got, expected, atol=tol, rtol=tol):
-            raise RuntimeError(f"{dtype} result differs from PyTorch's by {(got - expected).abs().max():.3g}")
+    x, res, w = torch.randn(3, 40, generator=gen), torch.randn(3, 40, generator=gen), torch.randn(40, generator=gen)
+    cos_sin, positions = torch.randn(9, 8, generator=gen), torch.tensor([4, 0, 8])
+    cos, sin = cos_sin[positions, None].chunk(2, -1)
+    x1, x2 = x[:, :16].view(3, 2, 8).chunk(2, -1)
+    checks = {
+        "decode_attention": (
+            lambda dt: kernels.decode_attention(query.to(dt), cache.to(dt), tables, lens, 0.25),
+            _reference_attention(query, cache, tables, lens, 0.25),
+        ),
+        "rms_norm": (
+            lambda dt: kernels.rms_norm(x.to(dt), w.to(dt), 1e-5, res.to(dt).clone()),
+            w * (res + x) * torch.rsqrt((res + x).pow(2).mean(-1, keepdim=True) + 1e-5),
+        ),
+        "rope_": (
+            lambda dt: _rotated(kernels, x.to(dt, copy=True), cos_sin, positions),
+            torch.cat([torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).view(3, 16), x[:, 16:]], -1),
+        ),
+        "silu_mul": (lambda dt: kernels.silu_mul(x.to(dt)), torch.nn.functional.silu(x[:, :20]) * x[:, 20:]),
+    }
+    for name, (run, expected) in checks.items():
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+            got = run(dtype).double()
+            if got.shape != expected.shape:
+                raise RuntimeError(f"{name} in {dtype} differs from PyTorch's in shape: {tuple(got.shape)}")
+            if not torch.allclose(got, expected.double(), atol=tol, rtol=tol):
+                raise RuntimeError(f"{name} in {dtype} differs from PyTorch's by {(got - expected).abs().max():.3g}")
+
+
+def _rotated(kernels: CpuKernels, x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    kernels.rope_(x, 2, 8, cos_sin, positions)
+    return x
 
 
 @functools.cache
-def decode_attention_kernel() -> DecodeAttention | None:
-    """The CPU decode-attention kernel, built and checked on first call; None where it cannot be had."""
+def cpu_kernels() -> CpuKernels | None:
+    """The CPU kernels, built and checked on first call; None where they cannot be had."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        logger.warning("no C compiler (%s) found: decode attention on CPU takes the slower PyTorch path", compiler)
+        logger.warning("no C compiler (%s) found: servelm's CPU kernels are off, PyTorch's slower ops run instead", compiler)
         return None
     try:
-        kernel = DecodeAttention(ctypes.CDLL(str(_build(compiler))))
-        _self_check(kernel)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU attention kernel unavailable, using the slower PyTorch path: %s", exc)
+        kernels = CpuKernels(ctypes.CDLL(str(_build(compiler))))
+        _self_check(kernels)
+    except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("servelm's CPU kernels are unavailable, PyTorch's slower ops run instead: %s", exc)
         return None
-    return kernel
+    return kernels

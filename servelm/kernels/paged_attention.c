@@ -36,7 +36,7 @@ static inline void prefetch_next_block(const int64_t *table, int64_t t, int64_t 
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float f) { return f; }
 
-/* q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D];
+/* q: [B, H, D], token b's heads at q + b * q_stride; k_cache, v_cache: [num_blocks, block_size, KVH, D];
  * tables: [B, max_blocks]; lens: [B] (keys each sequence attends to, >= 1);
  * out: [B, H, D]. Query head h reads KV head h / (H / KVH).
  *
@@ -45,7 +45,7 @@ static inline float f32_store(float f) { return f; }
  * item the keys (then the values) are read token by token across the item's
  * heads, so each cache block is streamed once, in order. */
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                        \
-void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *tables, int64_t max_blocks, \
+void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int64_t *tables, int64_t max_blocks, \
           const int64_t *lens, T *out, int64_t B, int64_t H, int64_t KVH, int64_t D,              \
           int64_t block_size, float scale, int nthreads) {                                       \
     const int64_t G = H / KVH;                                                                    \
@@ -61,7 +61,7 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *tables,
         float *qf = malloc(sizeof(float) * (size_t)(rows * D * 2 + rows * len));                  \
         float *acc = qf + rows * D, *scores = acc + rows * D;                                     \
         for (int64_t r = 0; r < rows; r++) {                                                      \
-            const T *qp = q + (b * H + h0 * G + r) * D;                                           \
+            const T *qp = q + b * q_stride + (h0 * G + r) * D;                                              \
             _Pragma("omp simd")                                                                   \
             for (int64_t d = 0; d < D; d++) qf[r * D + d] = LOAD(qp[d]) * scale;                  \
         }                                                                                         \

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from servelm.kernels import decode_attention_kernel
+from servelm import kernels
 
 
 @dataclass
@@ -132,9 +132,9 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     if lens is None:
         lens = torch.tensor(context_lens, device=q.device)
     tables = meta.block_tables[meta.num_prefills :]
-    kernel = decode_attention_kernel() if q.device.type == "cpu" else None
-    if kernel is not None and kernel.supports(q, kv_cache):
-        return kernel(q, kv_cache, tables, lens, scale)
+    native = kernels.cpu_kernels() if q.device.type == "cpu" else None
+    if native is not None and native.supports(q, kv_cache):
+        return native.decode_attention(q, kv_cache, tables, lens, scale)
     mask = torch.arange(max(context_lens), device=q.device)[None, :] < lens[:, None]
     keys, values = gather_kv(kv_cache, tables, mask.shape[1])
     return _grouped_attention(q[:, None], keys, values, mask[:, None], scale)[:, 0]

@@ -3,31 +3,61 @@
 One forward call takes one flattened batch of tokens from many sequences (no
 padding) and reads/writes the paged KV cache through ``AttentionMetadata``.
 Q/K/V and gate/up projections are fused into one matmul each; ``load_weights``
-fuses the HF checkpoint's separate tensors as it copies them in.
+fuses the HF checkpoint's separate tensors as it copies them in. On CPU, the
+elementwise chains (residual add + RMSNorm, RoPE, SiLU * up) run as one native
+call each where servelm's kernels are built (``servelm.kernels``); the PyTorch
+code beside each is the reference they match and the path everywhere else.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm import kernels
 from servelm.models.attention import AttentionMetadata, paged_attention
 from servelm.models.config import ModelConfig
 
 
+def _native(*tensors: torch.Tensor) -> kernels.CpuKernels | None:
+    """servelm's CPU kernels if these (contiguous) tensors can use them, else None: take the PyTorch path."""
+    if tensors[0].device.type != "cpu" or not all(t.is_contiguous() for t in tensors):
+        return None
+    native = kernels.cpu_kernels()
+    return native if native is not None and native.supports(*tensors) else None
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 like HF's LlamaRMSNorm."""
+    """Root-mean-square norm, computed in float32 like HF's LlamaRMSNorm.
+
+    Called with a ``residual`` it first adds ``x`` to it and normalises the sum,
+    returning ``(normed, new residual)``; the native kernel updates the residual
+    in place.
+    """
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            native = _native(x, self.weight)
+            return native.rms_norm(x, self.weight, self.eps) if native else self._norm(x)
+        native = _native(x, residual, self.weight)
+        if native:
+            return native.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -52,6 +82,13 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(is_medium, smoothed, scaled)
+
+
+class Rope(NamedTuple):
+    cos: torch.Tensor  # [T, 1, head_dim // 2] float32, for the tokens' positions
+    sin: torch.Tensor
+    table: torch.Tensor  # [max_positions, head_dim] float32: cos then sin (the native kernel reads it)
+    positions: torch.Tensor  # [T] int64
 
 
 class RotaryEmbedding(nn.Module):
@@ -79,14 +116,15 @@ class RotaryEmbedding(nn.Module):
         device = self.cos_sin.device
         self.cos_sin = table if device.type == "meta" else table.to(device)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) ``[T, 1, head_dim // 2]`` for the tokens' positions, shared by every layer."""
-        return self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    def forward(self, positions: torch.Tensor) -> Rope:
+        """The tokens' rotation, shared by every layer."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        return Rope(cos, sin, self.cos_sin, positions)
 
 
-def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """Rotate ``[T, heads, head_dim]`` by (cos, sin), in float32 for accuracy at low precision."""
-    cos, sin = rope
+    cos, sin = rope.cos, rope.sin
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -109,17 +147,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
 
-    def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        native = _native(qkv) if self.q_norm is None else None
+        if native:  # rotate q and k where they lie, side by side at the start of each row
+            native.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.table, rope.positions)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = paged_attention(apply_rope(q, rope), apply_rope(k, rope), v, kv_cache, meta, self.scale)
+        if not native:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -132,12 +174,21 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        native = _native(gate_up)
+        if native:
+            return self.down_proj(native.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block.
+
+    Takes and returns the residual stream apart from the sublayer output (as
+    vLLM does), so that each residual add fuses into the next norm:
+    ``residual + x`` is the block's input, None for the first block.
+    """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -147,10 +198,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, dtype)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        rope: Rope,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, kv_cache, meta), residual)
+        return self.mlp(x), residual
 
 
 # HF checkpoint name fragment -> (our fused parameter, which shard of it)
@@ -195,9 +255,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` of a flattened batch of T tokens; K/V land in ``kv_caches``."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` of the given hidden states (usually each sequence's last)."""

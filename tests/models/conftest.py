@@ -6,12 +6,26 @@
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from servelm import kernels
 from servelm.models.attention import AttentionMetadata
+
+
+@pytest.fixture(params=["native", "torch"])
+def cpu_ops(request, monkeypatch):
+    """Runs a test twice: with servelm's native CPU kernels, and with them off (the PyTorch path)."""
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
+    elif kernels.cpu_kernels() is None:
+        if shutil.which("cc") is not None:
+            pytest.fail("a C compiler is here but servelm's CPU kernels did not build (see the warning)")
+        pytest.skip("no C compiler: the native kernels cannot be built on this machine")
+    return request.param
 
 
 class PagedRunner:

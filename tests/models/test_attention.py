@@ -4,26 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import shutil
-
 import pytest
 import torch
 
-from servelm import kernels
-from servelm.models import attention
 from servelm.models.attention import AttentionMetadata, paged_attention
 
-
-@pytest.fixture(params=["native", "torch"], autouse=True)
-def decode_backend(request, monkeypatch):
-    """Every test runs with the native CPU decode kernel and with the PyTorch (gather + SDPA) path."""
-    if request.param == "torch":
-        monkeypatch.setattr(attention, "decode_attention_kernel", lambda: None)
-    elif kernels.decode_attention_kernel() is None:
-        if shutil.which("cc") is not None:
-            pytest.fail("a C compiler is here but the native decode kernel did not build (see the warning)")
-        pytest.skip("no C compiler: the native kernel cannot be built on this machine")
-    return request.param
+# Every test runs with the native CPU decode kernel and with the PyTorch (gather + SDPA) path.
+pytestmark = pytest.mark.usefixtures("cpu_ops")
 
 
 def dense_reference(q, k, v, scale):

@@ -1,39 +1,52 @@
-"""Building, caching and guarding the native CPU decode-attention kernel.
+"""servelm's native CPU kernels: building and caching them, their guards, and each fused op against the
+PyTorch code it replaces.
 
-Its numerics are covered in test_attention.py (every case runs on both paths)
-and by the model tests, whose CPU decode steps go through it.
+Decode attention's numerics are covered in test_attention.py (every case runs on both paths), and the
+whole model in test_llama.py (against transformers, on both paths).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from servelm import kernels
+from servelm.models.llama import RMSNorm, Rope, apply_rope
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """An empty kernel cache directory and no memoised kernel; the memo is cleared again afterwards."""
+    """An empty kernel cache directory and no memoised build; the memo is cleared again afterwards."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
-    kernels.decode_attention_kernel.cache_clear()
+    kernels.cpu_kernels.cache_clear()
     yield tmp_path / "servelm" / "kernels"
-    kernels.decode_attention_kernel.cache_clear()
+    kernels.cpu_kernels.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def native():
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler on this machine")
+    built = kernels.cpu_kernels()
+    assert built is not None, "a C compiler is here but the kernels did not build (see the warning)"
+    return built
 
 
 @needs_compiler
 def test_built_once_then_reused_from_the_cache(fresh):
-    assert kernels.decode_attention_kernel() is not None
-    (built,) = fresh.glob("paged_attention-*.so")
+    assert kernels.cpu_kernels() is not None
+    (built,) = fresh.glob("servelm_kernels-*.so")
     stamp = built.stat().st_mtime_ns
-    kernels.decode_attention_kernel.cache_clear()
-    assert kernels.decode_attention_kernel() is not None
+    kernels.cpu_kernels.cache_clear()
+    assert kernels.cpu_kernels() is not None
     assert [p.name for p in fresh.iterdir()] == [built.name]  # no second build, no leftovers
     assert built.stat().st_mtime_ns == stamp
 
@@ -41,7 +54,7 @@ def test_built_once_then_reused_from_the_cache(fresh):
 def test_no_compiler_means_the_pytorch_path(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CC", "servelm-no-such-compiler")
     with caplog.at_level(logging.WARNING, logger="servelm.kernels"):
-        assert kernels.decode_attention_kernel() is None
+        assert kernels.cpu_kernels() is None
     assert "no C compiler" in caplog.text
 
 
@@ -51,42 +64,109 @@ def test_failed_build_means_the_pytorch_path(fresh, monkeypatch, tmp_path, caplo
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     with caplog.at_level(logging.WARNING, logger="servelm.kernels"):
-        assert kernels.decode_attention_kernel() is None
+        assert kernels.cpu_kernels() is None
     assert "boom" in caplog.text
     assert not list(fresh.glob("*.so"))
 
 
-class _WrongKernel(kernels.DecodeAttention):
-    """Loads the real library but returns zeros, as a miscompiled build might."""
-
-    def __call__(self, query, *args):
-        return torch.zeros_like(query)
-
-
 @needs_compiler
-def test_self_check_rejects_wrong_results(fresh):
-    import ctypes
-
+@pytest.mark.parametrize("broken", ["decode_attention", "rms_norm", "silu_mul"])
+def test_self_check_rejects_wrong_results(fresh, broken):
     lib = ctypes.CDLL(str(kernels._build("cc")))
-    kernels._self_check(kernels.DecodeAttention(lib))  # the real one passes
-    with pytest.raises(RuntimeError, match="differs"):
-        kernels._self_check(_WrongKernel(lib))
+    kernels._self_check(kernels.CpuKernels(lib))  # the real build passes
+
+    class Miscompiled(kernels.CpuKernels):
+        pass
+
+    setattr(Miscompiled, broken, lambda self, x, *args: torch.zeros_like(x))
+    with pytest.raises(RuntimeError, match=f"{broken} in torch.float32 differs"):
+        kernels._self_check(Miscompiled(lib))
 
 
-@needs_compiler
-def test_rejects_inputs_it_cannot_read():
-    kernel = kernels.decode_attention_kernel()
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_same_rounding(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32: equal to float32 noise. bfloat16: almost all the same value, the rest at most two
+    steps of bfloat16 apart (float32 sums in another order, or exp's last bit, can tip a rounding)."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        return
+    got, expected = got.float(), expected.float()
+    step = expected.abs().clamp_min(1e-30) * 2**-7
+    assert ((got - expected).abs() <= 2 * step).all()
+    assert (got == expected).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 64])  # 64 x 576: the threaded case
+def test_rms_norm_matches_the_module(native, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-5, dtype)
+    norm.weight.data = torch.randn(576, generator=gen).to(dtype)
+    x, residual = (torch.randn(rows, 576, generator=gen).mul(3).to(dtype) for _ in range(2))
+
+    assert_same_rounding(native.rms_norm(x, norm.weight, norm.eps), norm._norm(x))
+
+    updated = residual.clone()
+    out = native.rms_norm(x, norm.weight, norm.eps, updated)
+    assert_same_rounding(updated, residual + x)  # updated in place
+    assert_same_rounding(out, norm._norm(residual + x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 40])
+def test_rope_rotates_q_and_k_in_place_within_the_fused_qkv_rows(native, dtype, rows):
+    heads, kv_heads, head_dim = 9, 3, 64
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    table = torch.randn(100, head_dim, generator=gen)
+    positions = torch.randint(0, 100, (rows,), generator=gen)
+    cos, sin = table[positions, None].chunk(2, -1)
+    rope = Rope(cos, sin, table, positions)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    expected_q = apply_rope(q.reshape(rows, heads, head_dim), rope)
+    expected_k = apply_rope(k.reshape(rows, kv_heads, head_dim), rope)
+    expected_v = v.clone()
+
+    native.rope_(qkv, heads + kv_heads, head_dim, table, positions)
+    assert_same_rounding(q.reshape(rows, heads, head_dim), expected_q)
+    assert_same_rounding(k.reshape(rows, kv_heads, head_dim), expected_k)
+    assert torch.equal(v, expected_v)  # V is not touched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 32])
+def test_silu_mul_matches_the_mlp(native, dtype, rows):
+    gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(2)).mul(4).to(dtype)
+    gate, up = gate_up.chunk(2, -1)
+    assert_same_rounding(native.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_rejects_inputs_it_cannot_read(native):
     cache = torch.zeros(2, 4, 4, 2, 8)
     query = torch.zeros(1, 4, 8)
     tables, lens = torch.tensor([[0, 1]]), torch.tensor([5])
-    assert kernel.supports(query, cache)
-    assert not kernel.supports(query.half(), cache.half())
-    assert not kernel.supports(query.bfloat16(), cache)
+    assert native.supports(query, cache)
+    assert not native.supports(query.half(), cache.half())
+    assert not native.supports(query.bfloat16(), cache)
     with pytest.raises(ValueError, match="contiguous"):
-        kernel(query, cache.transpose(3, 4).contiguous().transpose(3, 4), tables, lens, 1.0)
+        native.decode_attention(query, cache.transpose(3, 4).contiguous().transpose(3, 4), tables, lens, 1.0)
     with pytest.raises(ValueError, match="int64"):
-        kernel(query, cache, tables.int(), lens, 1.0)
+        native.decode_attention(query, cache, tables.int(), lens, 1.0)
     with pytest.raises(ValueError, match="shapes"):
-        kernel(torch.zeros(1, 3, 8), cache, tables, lens, 1.0)  # 3 heads over 2 KV heads
+        native.decode_attention(torch.zeros(1, 3, 8), cache, tables, lens, 1.0)  # 3 heads over 2 KV heads
     with pytest.raises(ValueError, match="shapes"):
-        kernel(query, cache, tables, torch.tensor([5, 5]), 1.0)
+        native.decode_attention(query, cache, tables, torch.tensor([5, 5]), 1.0)
+    x = torch.zeros(4, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.rms_norm(x.t(), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="one shape"):
+        native.rms_norm(x, torch.ones(16), 1e-5, torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="float32"):
+        native.rope_(x, 2, 8, torch.zeros(10, 8, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="positions"):
+        native.rope_(x, 2, 8, torch.zeros(10, 8), torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="even"):
+        native.silu_mul(torch.zeros(2, 7))

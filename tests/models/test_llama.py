@@ -32,6 +32,7 @@ def assert_logits_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 
 
 @pytest.mark.model
+@pytest.mark.usefixtures("cpu_ops")
 def test_prefill_matches_transformers(smollm, hf_model, paged_runner):
     model, config, tokenizer = smollm
     hf, _ = hf_model
@@ -44,6 +45,7 @@ def test_prefill_matches_transformers(smollm, hf_model, paged_runner):
 
 
 @pytest.mark.model
+@pytest.mark.usefixtures("cpu_ops")
 def test_chunked_prefill_and_decode_match_one_shot(smollm, paged_runner):
     model, config, tokenizer = smollm
     ids = tokenizer.encode(LONG_TEXT)
@@ -92,6 +94,32 @@ def test_bfloat16_stays_close(smollm, paged_runner):
     low = paged_runner(model16, config).step([("a", ids)])[0]
     assert low.dtype == torch.float32
     assert (low.argmax(-1) == full.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.model
+def test_native_kernels_match_the_pytorch_path_in_bfloat16(smollm, paged_runner, monkeypatch):
+    """The fused CPU ops round as the PyTorch code does: both paths give the same bfloat16 logits, near enough."""
+    from servelm import kernels
+
+    if kernels.cpu_kernels() is None:
+        pytest.skip("servelm's CPU kernels are not built here (no C compiler)")
+    model32, config, tokenizer = smollm
+    model16 = build_empty_model(config, torch.bfloat16, torch.device("cpu"))
+    model16.load_state_dict(model32.state_dict())
+    ids = tokenizer.encode(LONG_TEXT)
+
+    def run():  # a prefill, then decodes of two sequences side by side
+        runner = paged_runner(model16, config)
+        logits = runner.step([("a", ids[:-3]), ("b", ids[:9])])
+        for i in range(3):
+            logits += runner.step([], [("a", ids[-3 + i]), ("b", ids[9 + i])])
+        return torch.cat(logits)
+
+    native = run()
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
+    reference = run()
+    assert (native.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.95
+    assert (native - reference).abs().max() < 0.05 * reference.abs().max()
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -1,13 +1,14 @@
-"""Decode attention on CPU: the native paged kernel against the PyTorch path (gather + SDPA), in one run.
+"""servelm's native CPU kernels (servelm/kernels) against the PyTorch path they replace, in one run.
 
 Part 1 times one layer's decode attention at the model's head shapes for a few
-batch sizes and context lengths, and reports the largest difference of each
-path from a float64 reference. Part 2 runs the engine on the same requests
-with each path (alternating, median of --repeats) and prints output tokens/s
-and the ratio.
+batch sizes and context lengths: the native paged kernel against gather + SDPA,
+with each path's largest difference from a float64 reference. Part 2 runs the
+engine on the same requests with all kernels on and all off (decode attention
+and the fused norm, RoPE and SiLU ops; alternating, median of --repeats) and
+prints output tokens/s and the ratio, for the whole batch and for batch 1.
 
-    .venv/bin/python bench/attention.py
-    .venv/bin/python bench/attention.py --num-prompts 32 --input-len 128 --output-len 128 --repeats 3
+    .venv/bin/python bench/kernels.py
+    .venv/bin/python bench/kernels.py --num-prompts 32 --input-len 128 --output-len 128 --repeats 3
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from unittest import mock
 
 import torch
 
+from servelm import kernels
 from servelm.engine.malloc import keep_freed_memory
-from servelm.kernels import decode_attention_kernel
-from servelm.models import attention
 from servelm.models.attention import AttentionMetadata, paged_attention
 
-PYTORCH_PATH = mock.patch.object(attention, "decode_attention_kernel", lambda: None)
+PYTORCH_PATH = mock.patch.object(kernels, "cpu_kernels", lambda: None)
 
 
 def _median_us(fn, calls: int = 30, repeats: int = 5) -> float:
@@ -123,8 +123,8 @@ def main() -> None:
     ap.add_argument("--skip-engine", action="store_true", help="part 1 only")
     args = ap.parse_args()
     keep_freed_memory()  # as the engine does
-    if decode_attention_kernel() is None:
-        raise SystemExit("the native kernel is not available here (see the warning above)")
+    if kernels.cpu_kernels() is None:
+        raise SystemExit("the native kernels are not available here (see the warning above)")
     for dtype in (torch.bfloat16, torch.float32):
         part_layer(dtype)
     if not args.skip_engine:
