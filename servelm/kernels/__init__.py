@@ -8,6 +8,9 @@
 - ``fused_ops.c``: the decoder's elementwise chains (residual add + RMSNorm,
   RoPE on q and k, SiLU * up), one call each instead of up to 20 small
   PyTorch ops, whose per-op overhead dominates a small batch.
+- ``int8_linear.c``: the int8 weight-only matrix-vector product of
+  ``--quantization int8`` at batch 1, about twice as fast as PyTorch's
+  ``_weight_int8pack_mm`` there (bench/quantized.py).
 
 The sources are compiled once per machine with the system's C compiler
 (``$CC``, default ``cc``) into one library in the user's cache directory
@@ -112,6 +115,8 @@ class CpuKernels:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, dtype] = fn
+        self._int8_linear = lib.int8_linear_bf16  # bfloat16 activations only, as PyTorch's int8 kernel
+        self._int8_linear.argtypes, self._int8_linear.restype = [_P, _I, _P, _P, _I, _P, _T], None
 
     @staticmethod
     def supports(*tensors: torch.Tensor) -> bool:
@@ -195,6 +200,22 @@ class CpuKernels:
         return out
 
 
+    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` for one bfloat16 row ``x`` ``[1, K]``, ``W`` = int8 ``qweight`` ``[N, K]`` times bfloat16
+        ``scales`` ``[N]`` per row, as ``aten._weight_int8pack_mm`` computes it. Returns ``[1, N]`` bfloat16."""
+        if x.shape[0] != 1 or x.dtype != torch.bfloat16 or qweight.dtype != torch.int8 or scales.dtype != torch.bfloat16:
+            raise ValueError("int8_linear: x must be one bfloat16 row, qweight int8, scales bfloat16")
+        if x.shape[1] != qweight.shape[1] or scales.shape != (qweight.shape[0],) or not qweight.is_contiguous():
+            raise ValueError("int8_linear: x, qweight and scales shapes disagree")
+        x, scales = x.contiguous(), scales.contiguous()
+        out = x.new_empty((1, qweight.shape[0]))
+        self._int8_linear(
+            x.data_ptr(), x.shape[1], qweight.data_ptr(), scales.data_ptr(), qweight.shape[0], out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
 def _reference_attention(query, kv_cache, block_tables, lens, scale):
     """Decode attention in float64 PyTorch, for the self-check."""
     block_size = kv_cache.shape[2]
@@ -235,8 +256,15 @@ def _self_check(kernels: CpuKernels) -> None:
         ),
         "silu_mul": (lambda dt: kernels.silu_mul(x.to(dt)), torch.nn.functional.silu(x[:, :20]) * x[:, 20:]),
     }
+    qweight = torch.randint(-127, 128, (12, 40), generator=gen, dtype=torch.int8)
+    scales = torch.rand(12, generator=gen).to(torch.bfloat16)
+    row = x[:1].to(torch.bfloat16)
+    int8_expected = row.double() @ (qweight.double() * scales.double()[:, None]).T
+    checks["int8_linear"] = (lambda dt: kernels.int8_linear(row, qweight, scales), int8_expected)
     for name, (run, expected) in checks.items():
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+            if name == "int8_linear":
+                tol = 1e-2  # bfloat16 in and out whatever the model's dtype
             got = run(dtype).double()
             if got.shape != expected.shape:
                 raise RuntimeError(f"{name} in {dtype} differs from PyTorch's in shape: {tuple(got.shape)}")

@@ -2,9 +2,10 @@
 
 Every linear layer of the decoder and the LM head get int8 weights with one
 scale per output row (symmetric, round to nearest). Decoding a few sequences
-is bound by reading the weights, so small batches run torch's int8
-weight-only kernel (``aten._weight_int8pack_mm``, bf16 activations), which
-reads a quarter of the float32 bytes. Large batches are bound by compute,
+is bound by reading the weights, so small batches run an int8 weight-only
+kernel with bf16 activations, which reads a quarter of the float32 bytes:
+servelm's own for one row (``servelm.kernels``, where it is built), torch's
+``aten._weight_int8pack_mm`` otherwise. Large batches are bound by compute,
 where that kernel is slow, so they run a GEMM in the model's dtype on the
 same weights dequantized once (prepacked for oneDNN in bfloat16, as
 ``packed.py`` does for unquantized models). Both paths compute with the
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm import kernels
 from servelm.models.packed import PackedLinear, can_pack, replace_linears
 
 QUANTIZATIONS = ("none", "int8")
@@ -63,7 +65,11 @@ class Int8Linear(nn.Module):
         if rows > self.small_batch:
             return F.linear(x, self.weight, self.bias) if self.dense is None else self.dense(x)
         flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16).contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales).to(x.dtype)
+        native = kernels.cpu_kernels() if rows == 1 and flat.device.type == "cpu" else None
+        if native:
+            out = native.int8_linear(flat, self.qweight, self.scales).to(x.dtype)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)

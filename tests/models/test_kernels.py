@@ -70,7 +70,7 @@ def test_failed_build_means_the_pytorch_path(fresh, monkeypatch, tmp_path, caplo
 
 
 @needs_compiler
-@pytest.mark.parametrize("broken", ["decode_attention", "rms_norm", "silu_mul"])
+@pytest.mark.parametrize("broken", ["decode_attention", "rms_norm", "silu_mul", "int8_linear"])
 def test_self_check_rejects_wrong_results(fresh, broken):
     lib = ctypes.CDLL(str(kernels._build("cc")))
     kernels._self_check(kernels.CpuKernels(lib))  # the real build passes
@@ -144,6 +144,19 @@ def test_silu_mul_matches_the_mlp(native, dtype, rows):
     assert_same_rounding(native.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (192, 40)])
+def test_int8_linear_matches_pytorchs_int8_kernel(native, in_features, out_features):
+    gen = torch.Generator().manual_seed(3)
+    qweight = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(out_features, generator=gen) / 50).to(torch.bfloat16)
+    x = torch.randn(1, in_features, generator=gen).to(torch.bfloat16)
+    expected = torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
+    got = native.int8_linear(x, qweight, scales)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, out_features)
+    # Both sum in float32 and round once to bfloat16; the order of the sums differs.
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2 * expected.float().abs().max().item())
+
+
 def test_rejects_inputs_it_cannot_read(native):
     cache = torch.zeros(2, 4, 4, 2, 8)
     query = torch.zeros(1, 4, 8)
@@ -170,3 +183,10 @@ def test_rejects_inputs_it_cannot_read(native):
         native.rope_(x, 2, 8, torch.zeros(10, 8), torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="even"):
         native.silu_mul(torch.zeros(2, 7))
+    qweight, scales = torch.zeros(3, 16, dtype=torch.int8), torch.ones(3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one bfloat16 row"):
+        native.int8_linear(x.bfloat16(), qweight, scales)  # four rows
+    with pytest.raises(ValueError, match="one bfloat16 row"):
+        native.int8_linear(x[:1], qweight, scales)  # float32
+    with pytest.raises(ValueError, match="shapes"):
+        native.int8_linear(torch.zeros(1, 8, dtype=torch.bfloat16), qweight, scales)

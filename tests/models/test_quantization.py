@@ -21,6 +21,7 @@ def test_int8_weights_stay_within_half_a_step_of_the_original():
 
 
 @pytest.mark.parametrize("rows", [1, SMALL_BATCH, SMALL_BATCH + 1, 40])
+@pytest.mark.usefixtures("cpu_ops")  # one row goes to servelm's int8 kernel where it is built
 def test_small_and_large_batches_compute_with_the_same_quantized_weights(rows):
     torch.manual_seed(1)
     weight, bias = torch.randn(48, 64), torch.randn(48)
