@@ -15,7 +15,10 @@
 The sources are compiled once per machine with the system's C compiler
 (``$CC``, default ``cc``) into one library in the user's cache directory
 (``$XDG_CACHE_HOME/servelm/kernels``, default ``~/.cache/servelm/kernels``)
-and loaded with ctypes; ctypes releases the GIL for the call. The build uses
+and loaded with ctypes as a ``PyDLL``, which keeps the GIL through each call
+as PyTorch's own small ops do: a ``CDLL`` would hand it over at every call,
+and the engine thread would then wait on the server's event loop a hundred
+times a step. The build uses
 ``-march=native``, so the file name carries a hash of the sources, the flags,
 the compiler's version and this CPU's feature flags. A freshly loaded library
 is checked against PyTorch on small cases before it is used. Without a
@@ -41,6 +44,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 # Linked without -ffast-math: on older GCC that would link crtfastmath.o, whose
 # constructor switches the whole process to flush-to-zero.
@@ -67,7 +71,7 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256()
     for part in (
-        *(source.read_bytes() for source in _SOURCES),
+        *(source.read_bytes() for source in _SOURCES + _HEADERS),
         " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode(),
         version.encode(),
         _cpu_flags().encode(),
@@ -108,7 +112,7 @@ class CpuKernels:
     manager, model code) builds every table, slot and position they read.
     """
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.PyDLL) -> None:
         self._fns = {}
         for name, argtypes in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
@@ -285,7 +289,7 @@ def cpu_kernels() -> CpuKernels | None:
         logger.warning("no C compiler (%s) found: servelm's CPU kernels are off, PyTorch's slower ops run instead", compiler)
         return None
     try:
-        kernels = CpuKernels(ctypes.CDLL(str(_build(compiler))))
+        kernels = CpuKernels(ctypes.PyDLL(str(_build(compiler))))
         _self_check(kernels)
     except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("servelm's CPU kernels are unavailable, PyTorch's slower ops run instead: %s", exc)

@@ -8,24 +8,9 @@
 #include <string.h>
 #include <math.h>
 
-static inline float bf16_load(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "bf16.h"
 
-static inline uint16_t bf16_store(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
-static inline float f32_load(float x) { return x; }
-static inline float f32_store(float f) { return f; }
-static inline float f32_round(float f) { return f; }
+static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* Threads only pay off above a few tens of thousands of elements. */
 #define PARALLEL _Pragma("omp parallel for schedule(static) num_threads(nthreads) if(rows * width >= 32768)")
@@ -99,9 +84,9 @@ void silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t inner, in
     }                                                                                               \
 }
 
-DEFINE_NORM(bf16, uint16_t, bf16_load, bf16_store, bf16_round)
-DEFINE_NORM(f32, float, f32_load, f32_store, f32_round)
-DEFINE_ROPE(bf16, uint16_t, bf16_load, bf16_store)
-DEFINE_ROPE(f32, float, f32_load, f32_store)
-DEFINE_SILU_MUL(bf16, uint16_t, bf16_load, bf16_store, bf16_round)
-DEFINE_SILU_MUL(f32, float, f32_load, f32_store, f32_round)
+DEFINE_NORM(bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16_round)
+DEFINE_NORM(f32, float, f32_identity, f32_identity, f32_identity)
+DEFINE_ROPE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ROPE(f32, float, f32_identity, f32_identity)
+DEFINE_SILU_MUL(bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16_round)
+DEFINE_SILU_MUL(f32, float, f32_identity, f32_identity, f32_identity)

@@ -9,19 +9,7 @@
 #include <string.h>
 #include <math.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 /* Blocks are scattered through the cache, where the hardware prefetcher cannot
  * follow; on entering block i of a table, ask for block i + 1. */
@@ -32,9 +20,6 @@ static inline void prefetch_next_block(const int64_t *table, int64_t t, int64_t 
     for (int64_t i = 0; i < block_size; i++)
         for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(next + i * (block_bytes / block_size) + offset + o);
 }
-
-static inline float f32_load(float x) { return x; }
-static inline float f32_store(float f) { return f; }
 
 /* q: [B, H, D], token b's heads at q + b * q_stride; k_cache, v_cache: [num_blocks, block_size, KVH, D];
  * tables: [B, max_blocks]; lens: [B] (keys each sequence attends to, >= 1);
@@ -111,4 +96,4 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
 }
 
 DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_DECODE(paged_decode_f32, float, f32_load, f32_store)
+DEFINE_DECODE(paged_decode_f32, float, f32_identity, f32_identity)

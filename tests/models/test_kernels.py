@@ -72,7 +72,7 @@ def test_failed_build_means_the_pytorch_path(fresh, monkeypatch, tmp_path, caplo
 @needs_compiler
 @pytest.mark.parametrize("broken", ["decode_attention", "rms_norm", "silu_mul", "int8_linear"])
 def test_self_check_rejects_wrong_results(fresh, broken):
-    lib = ctypes.CDLL(str(kernels._build("cc")))
+    lib = ctypes.PyDLL(str(kernels._build("cc")))
     kernels._self_check(kernels.CpuKernels(lib))  # the real build passes
 
     class Miscompiled(kernels.CpuKernels):
