@@ -9,11 +9,13 @@ whose chunk reached its end.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from servelm.engine.config import EngineConfig
 from servelm.engine.device import resolve_device, resolve_dtype
@@ -89,8 +91,16 @@ class ModelRunner:
         logger.info("quantized %d linear layers to int8 (weight-only)", count)
 
     def _pack_weights(self) -> None:
-        count = replace_linears(self.model, PackedLinear, self._tied_head())
-        logger.info("prepacked %d linear layers for oneDNN", count)
+        # Batch-1 decoding reads plain weights twice as fast (packed.py); keeping them costs a second
+        # copy, which is kept only while it takes at most a quarter of the free memory.
+        plain_bytes = sum(m.weight.nbytes for m in self.model.modules() if isinstance(m, nn.Linear))
+        keep_plain = plain_bytes <= _free_memory_bytes(self.device) // 4
+        count = replace_linears(self.model, functools.partial(PackedLinear, keep_plain=keep_plain), self._tied_head())
+        logger.info(
+            "prepacked %d linear layers for oneDNN%s",
+            count,
+            " (plain weights kept for batch 1)" if keep_plain else "",
+        )
 
     def _tied_head(self) -> torch.Tensor | None:
         """The embedding's weight when the LM head is tied to it (no head module of its own), else None."""

@@ -8,9 +8,10 @@
 - ``fused_ops.c``: the decoder's elementwise chains (residual add + RMSNorm,
   RoPE on q and k, SiLU * up), one call each instead of up to 20 small
   PyTorch ops, whose per-op overhead dominates a small batch.
-- ``int8_linear.c``: the int8 weight-only matrix-vector product of
-  ``--quantization int8`` at batch 1, about twice as fast as PyTorch's
-  ``_weight_int8pack_mm`` there (bench/quantized.py).
+- ``gemv.c``: matrix-vector products for batch-1 decoding, bfloat16 and
+  int8 weights, streaming each weight row once at close to memory speed:
+  about twice oneDNN's prepacked GEMV and PyTorch's ``_weight_int8pack_mm``
+  for one row (bench/gemm.py, bench/quantized.py).
 
 The sources are compiled once per machine with the system's C compiler
 (``$CC``, default ``cc``) into one library in the user's cache directory
@@ -119,8 +120,11 @@ class CpuKernels:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, dtype] = fn
-        self._int8_linear = lib.int8_linear_bf16  # bfloat16 activations only, as PyTorch's int8 kernel
+        # bfloat16 only: the plain weights kept for batch 1 (packed.py), PyTorch's int8 kernel's activations
+        self._int8_linear = lib.int8_linear_bf16
         self._int8_linear.argtypes, self._int8_linear.restype = [_P, _I, _P, _P, _I, _P, _T], None
+        self._gemv = lib.bf16_gemv
+        self._gemv.argtypes, self._gemv.restype = [_P, _I, _P, _P, _I, _P, _T], None
 
     @staticmethod
     def supports(*tensors: torch.Tensor) -> bool:
@@ -220,6 +224,22 @@ class CpuKernels:
         return out
 
 
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b`` for one bfloat16 row ``x`` ``[1, K]``, ``weight`` ``[N, K]`` and ``bias`` ``[N]``
+        bfloat16, summed in float32 and rounded once, as oneDNN's linear does. Returns ``[1, N]``."""
+        if x.shape[0] != 1 or not all(t.dtype == torch.bfloat16 for t in (x, weight, *([bias] if bias is not None else []))):
+            raise ValueError("gemv: x must be one bfloat16 row, weight and bias bfloat16")
+        if x.shape[1] != weight.shape[1] or not weight.is_contiguous() or (bias is not None and bias.shape != (weight.shape[0],)):
+            raise ValueError("gemv: x, weight and bias shapes disagree (or the weight is not contiguous)")
+        x = x.contiguous()
+        out = x.new_empty((1, weight.shape[0]))
+        self._gemv(
+            x.data_ptr(), x.shape[1], weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+            weight.shape[0], out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
 def _reference_attention(query, kv_cache, block_tables, lens, scale):
     """Decode attention in float64 PyTorch, for the self-check."""
     block_size = kv_cache.shape[2]
@@ -265,9 +285,12 @@ def _self_check(kernels: CpuKernels) -> None:
     row = x[:1].to(torch.bfloat16)
     int8_expected = row.double() @ (qweight.double() * scales.double()[:, None]).T
     checks["int8_linear"] = (lambda dt: kernels.int8_linear(row, qweight, scales), int8_expected)
+    weight, bias = (qweight.double() * scales.double()[:, None]).to(torch.bfloat16), res[0, :12].to(torch.bfloat16)
+    gemv_expected = row.double() @ weight.double().T + bias.double()
+    checks["gemv"] = (lambda dt: kernels.gemv(row, weight, bias), gemv_expected)
     for name, (run, expected) in checks.items():
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-            if name == "int8_linear":
+            if name in ("int8_linear", "gemv"):
                 tol = 1e-2  # bfloat16 in and out whatever the model's dtype
             got = run(dtype).double()
             if got.shape != expected.shape:

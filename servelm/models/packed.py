@@ -7,12 +7,20 @@ time from 1 to 64 rows and 1.1x less at 512 or more
 (``bench/gemm.py --no-head``). Batch-1 decoding then reads the weights at
 close to memory speed. The packed weight is opaque: only this
 module's forward uses it.
+
+One row (batch-1 decoding) is the exception: oneDNN's packed GEMV reads the
+weights at 10-15 GB/s there, servelm's own matrix-vector kernel
+(``servelm.kernels``) at 30-37 GB/s. It needs the plain weight, so a layer
+can keep that too (``keep_plain``), at the cost of a second copy of the
+weights; the model runner asks for it when the copy fits in memory.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from servelm import kernels
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -26,17 +34,23 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` through oneDNN with ``W`` prepacked."""
+    """``y = x W^T + b`` through oneDNN with ``W`` prepacked; with ``keep_plain``, one row goes to
+    servelm's matrix-vector kernel over the plain ``W`` where that kernel is built."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
         self.bias = None if bias is None else bias.detach().clone()
+        self.plain_weight = weight.detach().contiguous() if keep_plain else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        native = kernels.cpu_kernels() if self.plain_weight is not None and flat.shape[0] == 1 else None
+        if native:
+            out = native.gemv(flat, self.plain_weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

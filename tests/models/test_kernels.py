@@ -70,7 +70,7 @@ def test_failed_build_means_the_pytorch_path(fresh, monkeypatch, tmp_path, caplo
 
 
 @needs_compiler
-@pytest.mark.parametrize("broken", ["decode_attention", "rms_norm", "silu_mul", "int8_linear"])
+@pytest.mark.parametrize("broken", ["decode_attention", "rms_norm", "silu_mul", "int8_linear", "gemv"])
 def test_self_check_rejects_wrong_results(fresh, broken):
     lib = ctypes.PyDLL(str(kernels._build("cc")))
     kernels._self_check(kernels.CpuKernels(lib))  # the real build passes
@@ -157,6 +157,20 @@ def test_int8_linear_matches_pytorchs_int8_kernel(native, in_features, out_featu
     torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2 * expected.float().abs().max().item())
 
 
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (100, 7)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_the_linear_layer(native, in_features, out_features, with_bias):
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(1, in_features, generator=gen).to(torch.bfloat16)
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    got = native.gemv(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, out_features)
+    # float32 sums rounded once to bfloat16
+    torch.testing.assert_close(got.double(), expected, rtol=8e-3, atol=1e-3 * expected.abs().max().item())
+
+
 def test_rejects_inputs_it_cannot_read(native):
     cache = torch.zeros(2, 4, 4, 2, 8)
     query = torch.zeros(1, 4, 8)
@@ -190,3 +204,10 @@ def test_rejects_inputs_it_cannot_read(native):
         native.int8_linear(x[:1], qweight, scales)  # float32
     with pytest.raises(ValueError, match="shapes"):
         native.int8_linear(torch.zeros(1, 8, dtype=torch.bfloat16), qweight, scales)
+    weight = torch.zeros(3, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one bfloat16 row"):
+        native.gemv(x.bfloat16(), weight)
+    with pytest.raises(ValueError, match="shapes"):
+        native.gemv(x[:1].bfloat16(), weight.t().contiguous().t())  # not contiguous
+    with pytest.raises(ValueError, match="shapes"):
+        native.gemv(x[:1].bfloat16(), weight, torch.zeros(4, dtype=torch.bfloat16))

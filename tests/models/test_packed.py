@@ -16,16 +16,29 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_layer_computes_the_plain_linear(rows, with_bias):
+@pytest.mark.parametrize("keep_plain", [False, True])  # True: one row goes to servelm's GEMV kernel
+@pytest.mark.usefixtures("cpu_ops")
+def test_packed_layer_computes_the_plain_linear(rows, with_bias, keep_plain):
     torch.manual_seed(rows)
     weight = torch.randn(96, 64).to(torch.bfloat16)
     bias = torch.randn(96).to(torch.bfloat16) if with_bias else None
     x = torch.randn(rows, 64).to(torch.bfloat16)
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    got = PackedLinear(weight, bias)(x)
+    got = PackedLinear(weight, bias, keep_plain)(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
     # Both round to bfloat16 once; the float32 sums may differ in order only.
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.model
+def test_plain_weights_are_dropped_where_they_do_not_fit(monkeypatch):
+    from servelm import LLM
+    from servelm.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "_free_memory_bytes", lambda device: 256 << 20)  # 64 MiB for the copy
+    model = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20).engine.runner.model
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 30 * 4 + 1 and all(m.plain_weight is None for m in packed)
 
 
 def test_leading_axes_are_kept():
@@ -52,6 +65,9 @@ def test_engine_in_bfloat16_packs_its_layers_and_stays_close_to_float32(llm):
     model = bf16.engine.runner.model
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert isinstance(model.lm_head, PackedLinear)  # the tied head, packed apart from the embedding
+    # A 135M model's plain weights fit beside the packed ones; the tied head's is the embedding itself.
+    assert model.model.layers[0].mlp.down_proj.plain_weight is not None
+    assert model.lm_head.plain_weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     prompt = "The capital of France is"
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     assert bf16.generate(prompt, greedy)[0].outputs[0].text.strip().startswith("Paris")
