@@ -5,7 +5,10 @@ SmolLM2-135M (30 layers: q/k/v, o, gate/up, down) plus its LM head, for a
 range of row counts M (M=1 is batch-1 decoding, large M is prefill). Prints
 milliseconds per pass, the median of --repeats, and the speed-up of packed
 bfloat16 over plain bfloat16 and over float32 in the same run. This is the
-measurement behind ``servelm/models/packed.py`` and ``--dtype auto``.
+measurement behind ``servelm/models/packed.py`` and ``--dtype auto``. For
+M=1 it then times servelm's own GEMV kernel over the plain bfloat16 weights
+(``PackedLinear(keep_plain=True)``, what batch-1 decoding runs) against the
+packed weights, alternating, with the bytes of weights read per second.
 
     .venv/bin/python bench/gemm.py --rows 1 8 32 128 512
 """
@@ -19,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from servelm import kernels
 from servelm.models.packed import PackedLinear, can_pack
 
 HIDDEN, FFN, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
@@ -67,6 +71,21 @@ def main() -> None:
                 print(f"{m:>6} {fp32:>9.1f} {bf16:>9.1f} {pk:>10.1f} {bf16 / pk:>11.2f}x {fp32 / pk:>11.2f}x")
             else:
                 print(f"{m:>6} {fp32:>9.1f} {bf16:>9.1f} {'-':>10} {'-':>12} {'-':>12}")
+        if packed and kernels.cpu_kernels() is not None:
+            _gemv_against_packed(weights[torch.bfloat16], packed, args.repeats)
+
+
+def _gemv_against_packed(weights: list[torch.Tensor], packed: list[PackedLinear], repeats: int) -> None:
+    gemv = [PackedLinear(w, keep_plain=True) for w in weights]
+    x = {i: torch.randn(1, i).to(torch.bfloat16) for i in (HIDDEN, FFN)}
+    times: dict[str, list[float]] = {"packed": [], "gemv": []}
+    for _ in range(3):  # alternate, so that a noisy moment hits both
+        times["packed"].append(_median_ms(lambda: [p(x[p.in_features]) for p in packed], repeats))
+        times["gemv"].append(_median_ms(lambda: [p(x[p.in_features]) for p in gemv], repeats))
+    gigabytes = sum(w.nbytes for w in weights) / 1e9
+    pk, gv = (statistics.median(times[k]) for k in ("packed", "gemv"))
+    print(f"M=1: packed {pk:.1f} ms ({gigabytes / pk * 1e3:.1f} GB/s), servelm's GEMV kernel {gv:.1f} ms "
+          f"({gigabytes / gv * 1e3:.1f} GB/s): {pk / gv:.2f}x")
 
 
 if __name__ == "__main__":
