@@ -173,7 +173,11 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     seed: int = 0
     quantization: Literal["none", "int8"] = Field(
-        "none", description="Weight quantization: none, or int8 (weight-only, CPU; faster decoding at low concurrency)."
+        "none",
+        description=(
+            "Weight quantization: none, or int8 (weight-only, CPU; faster decoding than float32 at low "
+            "concurrency, no faster than bfloat16 on a CPU with fast bfloat16)."
+        ),
     )
 
     # HTTP

@@ -9,8 +9,8 @@ close to memory speed. The packed weight is opaque: only this
 module's forward uses it.
 
 One row (batch-1 decoding) is the exception: oneDNN's packed GEMV reads the
-weights at 10-15 GB/s there, servelm's own matrix-vector kernel
-(``servelm.kernels``) at 30-37 GB/s. It needs the plain weight, so a layer
+weights at 15-20 GB/s there, servelm's own matrix-vector kernel
+(``servelm.kernels``) at about 35 GB/s (``bench/gemm.py``). It needs the plain weight, so a layer
 can keep that too (``keep_plain``), at the cost of a second copy of the
 weights; the model runner asks for it when the copy fits in memory.
 """
