@@ -88,6 +88,7 @@ CASES = {
     "chunked prefill": ([(13, 5)], []),
     "fresh and chunked prefills": ([(9, 9), (20, 3), (4, 4)], []),
     "decodes only": ([], [5, 17, 1, 8]),
+    "one decode": ([], [13]),  # fewer sequences than threads: the native kernel splits by head
     "mixed prefill and decode": ([(6, 6), (11, 4)], [3, 16, 9]),
     "one-token chunk then decodes": ([(10, 1)], [2, 12]),
 }
