@@ -56,16 +56,7 @@ def layer_case(batch, context, heads, kv_heads, head_dim, dtype, block_size=16, 
         return paged_attention(query, new_kv, new_kv, cache, meta, scale)
 
     run()  # writes the new K/V, so the reference below sees them
-    flat = cache.flatten(1, 2).double()
-    group = heads // kv_heads
-    ref = []
-    for i, n in enumerate(lens):
-        seq_slots = [tables[i, t // block_size] * block_size + t % block_size for t in range(n)]
-        k = flat[0, seq_slots].repeat_interleave(group, 1)
-        v = flat[1, seq_slots].repeat_interleave(group, 1)
-        w = (torch.einsum("hd,nhd->hn", query[i].double(), k) * scale).softmax(-1)
-        ref.append(torch.einsum("hn,nhd->hd", w, v))
-    return run, torch.stack(ref)
+    return run, kernels.reference_decode_attention(query, cache, tables, meta.decode_lens, scale)
 
 
 def part_layer(dtype: torch.dtype) -> None:

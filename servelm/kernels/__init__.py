@@ -4,7 +4,7 @@
   no CPU kernel for it: the portable path gathers every sequence's keys and
   values into a dense copy and calls SDPA, whose CPU kernel spends most of its
   time on per-head overhead when each sequence has one query token. This one
-  reads the cache blocks in place (2-4x faster per layer, bench/attention.py).
+  reads the cache blocks in place (2-4x faster per layer, bench/kernels.py).
 - ``fused_ops.c``: the decoder's elementwise chains (residual add + RMSNorm,
   RoPE on q and k, SiLU * up), one call each instead of up to 20 small
   PyTorch ops, whose per-op overhead dominates a small batch.
@@ -207,7 +207,6 @@ class CpuKernels:
         )
         return out
 
-
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """``x W^T`` for one bfloat16 row ``x`` ``[1, K]``, ``W`` = int8 ``qweight`` ``[N, K]`` times bfloat16
         ``scales`` ``[N]`` per row, as ``aten._weight_int8pack_mm`` computes it. Returns ``[1, N]`` bfloat16."""
@@ -222,7 +221,6 @@ class CpuKernels:
             torch.get_num_threads(),
         )  # fmt: skip
         return out
-
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x W^T + b`` for one bfloat16 row ``x`` ``[1, K]``, ``weight`` ``[N, K]`` and ``bias`` ``[N]``
@@ -240,8 +238,8 @@ class CpuKernels:
         return out
 
 
-def _reference_attention(query, kv_cache, block_tables, lens, scale):
-    """Decode attention in float64 PyTorch, for the self-check."""
+def reference_decode_attention(query, kv_cache, block_tables, lens, scale):
+    """Decode attention in float64 PyTorch: the self-check's expectation, and bench/kernels.py's."""
     block_size = kv_cache.shape[2]
     group = query.shape[1] // kv_cache.shape[3]
     flat = kv_cache.flatten(1, 2).double()
@@ -268,7 +266,7 @@ def _self_check(kernels: CpuKernels) -> None:
     checks = {
         "decode_attention": (
             lambda dt: kernels.decode_attention(query.to(dt), cache.to(dt), tables, lens, 0.25),
-            _reference_attention(query, cache, tables, lens, 0.25),
+            reference_decode_attention(query, cache, tables, lens, 0.25),
         ),
         "rms_norm": (
             lambda dt: kernels.rms_norm(x.to(dt), w.to(dt), 1e-5, res.to(dt).clone()),
@@ -318,3 +316,11 @@ def cpu_kernels() -> CpuKernels | None:
         logger.warning("servelm's CPU kernels are unavailable, PyTorch's slower ops run instead: %s", exc)
         return None
     return kernels
+
+
+def for_tensors(*tensors: torch.Tensor) -> CpuKernels | None:
+    """The kernels if they are built and take these tensors (CPU, one dtype, bfloat16 or float32), else None."""
+    if tensors[0].device.type != "cpu":
+        return None
+    native = cpu_kernels()
+    return native if native is not None and native.supports(*tensors) else None

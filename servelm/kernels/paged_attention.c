@@ -46,7 +46,7 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
         float *qf = malloc(sizeof(float) * (size_t)(rows * D * 2 + rows * len));                  \
         float *acc = qf + rows * D, *scores = acc + rows * D;                                     \
         for (int64_t r = 0; r < rows; r++) {                                                      \
-            const T *qp = q + b * q_stride + (h0 * G + r) * D;                                              \
+            const T *qp = q + b * q_stride + (h0 * G + r) * D;                                    \
             _Pragma("omp simd")                                                                   \
             for (int64_t d = 0; d < D; d++) qf[r * D + d] = LOAD(qp[d]) * scale;                  \
         }                                                                                         \

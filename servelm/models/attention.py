@@ -132,8 +132,8 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     if lens is None:
         lens = torch.tensor(context_lens, device=q.device)
     tables = meta.block_tables[meta.num_prefills :]
-    native = kernels.cpu_kernels() if q.device.type == "cpu" else None
-    if native is not None and native.supports(q, kv_cache):
+    native = kernels.for_tensors(q, kv_cache)
+    if native:
         return native.decode_attention(q, kv_cache, tables, lens, scale)
     mask = torch.arange(max(context_lens), device=q.device)[None, :] < lens[:, None]
     keys, values = gather_kv(kv_cache, tables, mask.shape[1])

@@ -25,11 +25,8 @@ from servelm.models.config import ModelConfig
 
 
 def _native(*tensors: torch.Tensor) -> kernels.CpuKernels | None:
-    """servelm's CPU kernels if these (contiguous) tensors can use them, else None: take the PyTorch path."""
-    if tensors[0].device.type != "cpu" or not all(t.is_contiguous() for t in tensors):
-        return None
-    native = kernels.cpu_kernels()
-    return native if native is not None and native.supports(*tensors) else None
+    """servelm's CPU kernels if these tensors are contiguous and the kernels take them, else None (PyTorch path)."""
+    return kernels.for_tensors(*tensors) if all(t.is_contiguous() for t in tensors) else None
 
 
 class RMSNorm(nn.Module):

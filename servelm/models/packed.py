@@ -46,7 +46,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        native = kernels.cpu_kernels() if self.plain_weight is not None and flat.shape[0] == 1 else None
+        one_row = self.plain_weight is not None and flat.shape[0] == 1
+        native = kernels.for_tensors(flat, self.plain_weight) if one_row else None
         if native:
             out = native.gemv(flat, self.plain_weight, self.bias)
         else:

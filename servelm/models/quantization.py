@@ -65,7 +65,7 @@ class Int8Linear(nn.Module):
         if rows > self.small_batch:
             return F.linear(x, self.weight, self.bias) if self.dense is None else self.dense(x)
         flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16).contiguous()
-        native = kernels.cpu_kernels() if rows == 1 and flat.device.type == "cpu" else None
+        native = kernels.for_tensors(flat) if rows == 1 else None
         if native:
             out = native.int8_linear(flat, self.qweight, self.scales).to(x.dtype)
         else:

@@ -16,15 +16,24 @@ from servelm import kernels
 from servelm.models.attention import AttentionMetadata
 
 
+@pytest.fixture(scope="session")
+def native_kernels():
+    """servelm's CPU kernels: a failure where a C compiler is but they did not build, a skip where none is."""
+    built = kernels.cpu_kernels()
+    if built is None:
+        if shutil.which("cc") is not None:
+            pytest.fail("a C compiler is here but servelm's CPU kernels did not build (see the warning)")
+        pytest.skip("no C compiler: the native kernels cannot be built on this machine")
+    return built
+
+
 @pytest.fixture(params=["native", "torch"])
 def cpu_ops(request, monkeypatch):
     """Runs a test twice: with servelm's native CPU kernels, and with them off (the PyTorch path)."""
     if request.param == "torch":
         monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
-    elif kernels.cpu_kernels() is None:
-        if shutil.which("cc") is not None:
-            pytest.fail("a C compiler is here but servelm's CPU kernels did not build (see the warning)")
-        pytest.skip("no C compiler: the native kernels cannot be built on this machine")
+    else:
+        request.getfixturevalue("native_kernels")
     return request.param
 
 

@@ -97,12 +97,11 @@ def test_bfloat16_stays_close(smollm, paged_runner):
 
 
 @pytest.mark.model
+@pytest.mark.usefixtures("native_kernels")
 def test_native_kernels_match_the_pytorch_path_in_bfloat16(smollm, paged_runner, monkeypatch):
     """The fused CPU ops round as the PyTorch code does: both paths give the same bfloat16 logits, near enough."""
     from servelm import kernels
 
-    if kernels.cpu_kernels() is None:
-        pytest.skip("servelm's CPU kernels are not built here (no C compiler)")
     model32, config, tokenizer = smollm
     model16 = build_empty_model(config, torch.bfloat16, torch.device("cpu"))
     model16.load_state_dict(model32.state_dict())
