@@ -141,6 +141,18 @@ def test_silu_mul_matches_the_mlp(native, dtype, rows):
     assert_same_rounding(native.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("in_features,out_features", [(100, 7), (33, 9), (70, 13)])
+def test_int8_linear_takes_odd_shapes(native, in_features, out_features):
+    # PyTorch's int8 kernel crashes on some of these shapes, so the reference is float64.
+    gen = torch.Generator().manual_seed(5)
+    qweight = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(out_features, generator=gen) / 50).to(torch.bfloat16)
+    x = torch.randn(1, in_features, generator=gen).to(torch.bfloat16)
+    expected = x.double() @ (qweight.double() * scales.double()[:, None]).T
+    got = native.int8_linear(x, qweight, scales).double()
+    torch.testing.assert_close(got, expected, rtol=8e-3, atol=1e-3 * expected.abs().max().item())
+
+
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (192, 40)])
 def test_int8_linear_matches_pytorchs_int8_kernel(native, in_features, out_features):
     gen = torch.Generator().manual_seed(3)
@@ -154,7 +166,8 @@ def test_int8_linear_matches_pytorchs_int8_kernel(native, in_features, out_featu
     torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2 * expected.float().abs().max().item())
 
 
-@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (100, 7)])
+# Odd shapes: rows left over from groups of four, columns from whole vectors.
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (100, 7), (33, 9)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_matches_the_linear_layer(native, in_features, out_features, with_bias):
     gen = torch.Generator().manual_seed(4)
