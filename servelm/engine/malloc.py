@@ -1,4 +1,5 @@
-"""Keep glibc's malloc from handing activation memory back to the kernel after every step.
+"""Where the engine's CPU memory comes from: glibc's malloc kept from handing activation memory back to
+the kernel after every step, and huge pages for the memory decoding streams through.
 
 By default glibc serves allocations above a moving threshold (at most 32 MiB)
 with fresh ``mmap`` calls and trims its heap as soon as 128 KiB at the top are
@@ -7,6 +8,12 @@ every step would fault in (and the kernel zero) the same pages again: about a
 third of a prefill step's time on CPU. Raising both thresholds once makes the
 freed memory stay in the process for the next step, as tcmalloc and jemalloc
 do (vLLM's CPU build preloads tcmalloc for the same reason).
+
+Decoding one sequence streams every weight once per token, which on 4 KiB
+pages misses the TLB at every page; ``huge_page_copies`` places tensors
+in a mapping that asks Linux for 2 MiB transparent huge pages (``madvise``,
+granted where ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise``
+or ``always``); bench/gemm.py times servelm's GEMV on both.
 """
 
 from __future__ import annotations
@@ -14,6 +21,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+import mmap
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -37,3 +48,37 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.debug("mallopt refused the thresholds")
     return ok
+
+
+_HUGE_PAGE = 2 << 20
+_ALIGN = 64  # a cache line: each tensor starts on one
+
+
+def _huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` zeroed bytes (uint8) in a fresh anonymous mapping, 2 MiB aligned, that asks the kernel
+    for transparent huge pages (``madvise``); plain pages where the kernel or platform says no."""
+    mem = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mem, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mem.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    view = ctypes.c_char.from_buffer(mem)
+    start = (-ctypes.addressof(view)) % _HUGE_PAGE
+    del view  # a live ctypes export would keep the mapping from ever closing
+    return torch.frombuffer(mem, dtype=torch.uint8, count=nbytes, offset=start)
+
+
+def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of CPU tensors, side by side in one mapping backed by transparent huge pages
+    where the kernel grants them."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.nbytes // _ALIGN) * _ALIGN
+    arena = _huge_page_bytes(total)
+    copies = []
+    for t, offset in zip(tensors, offsets):
+        copy = arena[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+        copies.append(copy.copy_(t))
+    return copies
