@@ -12,6 +12,10 @@
   int8 weights, streaming each weight row once at close to memory speed:
   about twice oneDNN's prepacked GEMV and PyTorch's ``_weight_int8pack_mm``
   for one row (bench/gemm.py, bench/quantized.py).
+- ``decode_one.c``: a whole decoding step of a Llama-family model for one
+  sequence in one call, running the kernels above layer after layer: with one
+  token in flight the Python around ~400 small calls a step cost as much as
+  the calls themselves.
 
 The sources are compiled once per machine with the system's C compiler
 (``$CC``, default ``cc``) into one library in the user's cache directory
@@ -39,6 +43,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -106,6 +111,62 @@ _SIGNATURES = {  # C function (without its dtype suffix) -> argument types; all 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
+class _Linear(ctypes.Structure):  # decode_one.c's struct linear
+    _fields_ = [("weight", _P), ("scales", _P), ("bias", _P)]
+
+
+class _DecoderLayer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), *((name, _Linear) for name in ("qkv", "o", "gate_up", "down")),
+                ("k_cache", _P), ("v_cache", _P)]  # fmt: skip
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [*((name, _I) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                                          "block_size")),
+                ("eps", _F), ("scale", _F), ("cos_sin", _P), ("final_norm", _P),
+                ("layers", ctypes.POINTER(_DecoderLayer))]  # fmt: skip
+
+
+class LinearWeights(NamedTuple):
+    """What the one-token decoder reads of a linear layer: a bfloat16 weight ``[out, in]``, or an int8
+    one with bfloat16 ``scales`` ``[out]`` per row; ``bias`` ``[out]`` bfloat16 or None."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor | None
+    bias: torch.Tensor | None
+
+
+class DecoderLayerWeights(NamedTuple):
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: LinearWeights  # q heads, then k, then v
+    o: LinearWeights
+    gate_up: LinearWeights  # gate rows, then up
+    down: LinearWeights
+    kv_cache: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim]
+
+
+class OneTokenDecoder:
+    """A decoding step of one sequence through every layer in one native call (``decode_one.c``).
+
+    Holds the weights and caches it points at, so they outlive it.
+    """
+
+    def __init__(self, fn, decoder: _Decoder, keep: list) -> None:
+        self._fn, self._decoder, self._keep = fn, decoder, keep
+
+    def __call__(self, x: torch.Tensor, position: int, block_table: torch.Tensor) -> torch.Tensor:
+        """The final hidden state ``[1, hidden]`` of the token whose embedding is ``x`` ``[1, hidden]``
+        (overwritten), at ``position`` of the sequence whose block table ``block_table`` (int64) covers it."""
+        if x.shape != (1, self._decoder.hidden) or x.dtype != torch.bfloat16 or not x.is_contiguous():
+            raise ValueError("one-token decoder: x must be one contiguous bfloat16 row of the hidden size")
+        if block_table.dtype != torch.int64 or block_table.numel() * self._decoder.block_size <= position:
+            raise ValueError("one-token decoder: the block table must be int64 and cover the position")
+        table = block_table.contiguous()
+        self._fn(ctypes.byref(self._decoder), x.data_ptr(), position, table.data_ptr(), torch.get_num_threads())
+        return x
+
+
 class CpuKernels:
     """The loaded library: bfloat16 and float32 CPU tensors.
 
@@ -125,6 +186,8 @@ class CpuKernels:
         self._int8_linear.argtypes, self._int8_linear.restype = [_P, _I, _P, _P, _I, _P, _T], None
         self._gemv = lib.bf16_gemv
         self._gemv.argtypes, self._gemv.restype = [_P, _I, _P, _P, _I, _P, _T], None
+        self._decode_one = lib.decode_one_bf16
+        self._decode_one.argtypes, self._decode_one.restype = [ctypes.POINTER(_Decoder), _P, _I, _P, _T], None
 
     @staticmethod
     def supports(*tensors: torch.Tensor) -> bool:
@@ -236,6 +299,63 @@ class CpuKernels:
             weight.shape[0], out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def one_token_decoder(
+        self,
+        layers: list[DecoderLayerWeights],
+        final_norm: torch.Tensor,
+        cos_sin: torch.Tensor,
+        *,
+        heads: int,
+        eps: float,
+        scale: float,
+    ) -> OneTokenDecoder:
+        """A one-call decoding step over these bfloat16 weights and caches (models/llama.py builds it).
+
+        Every tensor must be contiguous, the norms, biases, scales and caches
+        bfloat16, ``cos_sin`` float32 ``[positions, head_dim]``.
+        """
+        _, _, block_size, kv_heads, head_dim = layers[0].kv_cache.shape
+        hidden, intermediate = final_norm.shape[0], layers[0].down.weight.shape[1]
+        expected = {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
+                    "gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}  # fmt: skip
+        keep = [final_norm, cos_sin]
+        structs = []
+        for layer in layers:
+            for name, shape in expected.items():
+                w = getattr(layer, name)
+                int8 = w.weight.dtype == torch.int8
+                if (w.scales is not None) != int8 or w.weight.dtype not in (torch.bfloat16, torch.int8):
+                    raise ValueError(f"one-token decoder: {name} must be bfloat16, or int8 with scales")
+                if tuple(w.weight.shape) != shape:
+                    raise ValueError(f"one-token decoder: {name} has shape {tuple(w.weight.shape)}, expected {shape}")
+            cache = layer.kv_cache
+            if cache.shape != layers[0].kv_cache.shape:
+                raise ValueError("one-token decoder: the layers' caches differ in shape")
+            bf16 = [layer.input_norm, layer.post_norm, cache]
+            bf16 += [t for name in expected for t in getattr(layer, name)[1:] if t is not None]  # scales, biases
+            tensors = bf16 + [getattr(layer, name).weight for name in expected]
+            if any(t.dtype != torch.bfloat16 for t in bf16) or any(
+                t.device.type != "cpu" or not t.is_contiguous() for t in tensors
+            ):
+                raise ValueError("one-token decoder: tensors must be contiguous on the CPU, bfloat16 but int8 weights")
+            keep.extend(tensors)
+            linears = {name: _Linear(*(_ptr(t) for t in getattr(layer, name))) for name in expected}
+            structs.append(_DecoderLayer(_ptr(layer.input_norm), _ptr(layer.post_norm), **linears,
+                                         k_cache=cache[0].data_ptr(), v_cache=cache[1].data_ptr()))  # fmt: skip
+        if final_norm.dtype != torch.bfloat16 or not final_norm.is_contiguous():
+            raise ValueError("one-token decoder: the final norm's weight must be contiguous bfloat16")
+        if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[1] != head_dim:
+            raise ValueError("one-token decoder: cos_sin must be contiguous float32 [positions, head_dim]")
+        array = (_DecoderLayer * len(structs))(*structs)
+        keep.append(array)
+        decoder = _Decoder(len(layers), hidden, heads, kv_heads, head_dim, intermediate, block_size, eps, scale,
+                           cos_sin.data_ptr(), final_norm.data_ptr(), array)  # fmt: skip
+        return OneTokenDecoder(self._decode_one, decoder, keep)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def reference_decode_attention(query, kv_cache, block_tables, lens, scale):

@@ -6,7 +6,9 @@ Q/K/V and gate/up projections are fused into one matmul each; ``load_weights``
 fuses the HF checkpoint's separate tensors as it copies them in. On CPU, the
 elementwise chains (residual add + RMSNorm, RoPE, SiLU * up) run as one native
 call each where servelm's kernels are built (``servelm.kernels``); the PyTorch
-code beside each is the reference they match and the path everywhere else.
+code beside each is the reference they match and the path everywhere else. A
+step that decodes a single sequence runs all the layers' native calls in one
+(``_one_token_decoder``), bit-identical to calling them layer by layer.
 """
 
 from __future__ import annotations
@@ -237,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         self.model.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self._decoder: tuple[list[torch.Tensor], kernels.OneTokenDecoder | None] | None = None  # (caches, decoder)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -251,11 +254,45 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flattened batch of T tokens; K/V land in ``kv_caches``."""
         x = self.model.embed_tokens(input_ids)
+        if meta.num_prefills == 0 and x.shape[0] == 1 and kernels.for_tensors(x):
+            decoder = self._one_token_decoder(kv_caches)
+            if decoder is not None:  # the same kernels as below, in one native call
+                return decoder(x, meta.context_lens[0] - 1, meta.block_tables[0])
         rope = self.rotary(positions)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(rope, x, residual, kv_cache, meta)
         return self.model.norm(x, residual)[0]
+
+    def _one_token_decoder(self, kv_caches: list[torch.Tensor]) -> kernels.OneTokenDecoder | None:
+        """servelm's one-call decoding step over these caches (built once), or None where it does not apply.
+
+        It applies on the CPU in bfloat16 when every linear layer keeps weights
+        that one row reads natively (``one_row_weights``: the plain weights of
+        packed.py, the int8 ones of quantization.py) and there is no q/k norm.
+        """
+        if self._decoder is None or self._decoder[0] is not kv_caches:
+            self._decoder = (kv_caches, self._build_one_token_decoder(kv_caches))
+        return self._decoder[1]
+
+    def _build_one_token_decoder(self, kv_caches: list[torch.Tensor]) -> kernels.OneTokenDecoder | None:
+        native = kernels.for_tensors(kv_caches[0], self.model.norm.weight)
+        if native is None or kv_caches[0].dtype != torch.bfloat16 or self.config.qk_norm:
+            return None
+        layers = []
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            linears = [getattr(m, "one_row_weights", lambda: None)() for m in modules]
+            if any(w is None for w in linears):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            layers.append(kernels.DecoderLayerWeights(*norms, *linears, cache))
+        attn = self.model.layers[0].self_attn
+        norm = self.model.norm
+        return native.one_token_decoder(
+            layers, norm.weight, self.rotary.cos_sin, heads=attn.num_heads, eps=norm.eps, scale=attn.scale
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` of the given hidden states (usually each sequence's last)."""

@@ -44,6 +44,12 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().clone()
         self.plain_weight = weight.detach().contiguous() if keep_plain else None
 
+    def one_row_weights(self) -> kernels.LinearWeights | None:
+        """What servelm's one-token decoder reads of this layer: the plain weight, where kept."""
+        if self.plain_weight is None or self.plain_weight.dtype != torch.bfloat16:
+            return None
+        return kernels.LinearWeights(self.plain_weight, None, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         one_row = self.plain_weight is not None and flat.shape[0] == 1

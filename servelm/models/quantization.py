@@ -60,6 +60,10 @@ class Int8Linear(nn.Module):
     def out_features(self) -> int:
         return self.qweight.shape[0]
 
+    def one_row_weights(self) -> kernels.LinearWeights:
+        """What servelm's one-token decoder reads of this layer (its int8 kernel, as forward runs for one row)."""
+        return kernels.LinearWeights(self.qweight, self.scales, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > self.small_batch:

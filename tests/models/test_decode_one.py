@@ -1,0 +1,106 @@
+"""The one-call decoding step (servelm/kernels/decode_one.c) against the layer-by-layer model it replaces."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from servelm.models.config import ModelConfig
+from servelm.models.llama import LlamaForCausalLM, build_empty_model
+from servelm.models.packed import PackedLinear, can_pack, replace_linears
+from servelm.models.quantization import quantize_int8
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+
+def tiny_model(weights: str, **overrides) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """A random bfloat16 Llama whose linears are packed with plain weights kept, or int8."""
+    fields = dict(architecture="LlamaForCausalLM", vocab_size=120, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=128)  # fmt: skip
+    config = ModelConfig(**(fields | overrides))
+    model = build_empty_model(config, torch.bfloat16, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=gen)
+        param.copy_(1 + 0.1 * noise if "norm" in name else noise * param.shape[-1] ** -0.5)
+    head = model.model.embed_tokens.weight if model.lm_head is None else None
+    if weights == "int8":
+        quantize_int8(model, head)
+    else:
+        if not can_pack(torch.bfloat16, torch.device("cpu")):
+            pytest.skip("this torch build has no oneDNN bfloat16 packing")
+        replace_linears(model, functools.partial(PackedLinear, keep_plain=True), head)
+    return model, config
+
+
+def decode(model, config, paged_runner, prompt, steps, one_call: bool):
+    """Logits of a prefill and then `steps` single-sequence decodes, and the KV caches after them."""
+    runner = paged_runner(model, config)
+    if not one_call:
+        model._one_token_decoder = lambda caches: None  # the layer-by-layer native path
+    try:
+        logits = runner.step([("a", prompt)])
+        token = prompt[-1]
+        for _ in range(steps):
+            out = runner.step([], [("a", token)])[0]
+            logits.append(out)
+            token = int(out[-1].argmax())
+    finally:
+        model.__dict__.pop("_one_token_decoder", None)
+    return torch.cat(logits), runner.kv_caches
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"attention_bias": True, "attention_out_bias": True}, {"tie_word_embeddings": True}],
+    ids=["plain", "biases", "tied"],
+)
+def test_one_call_step_is_bit_identical_to_the_layer_by_layer_path(paged_runner, weights, overrides):
+    model, config = tiny_model(weights, **overrides)
+    prompt = list(range(3, 21))  # 18 tokens: the decodes cross blocks of 4
+    fused, fused_caches = decode(model, config, paged_runner, prompt, 9, one_call=True)
+    assert model._decoder is not None and model._decoder[1] is not None  # it did run
+    layered, layered_caches = decode(model, config, paged_runner, prompt, 9, one_call=False)
+    assert torch.equal(fused, layered)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, layered_caches))
+
+
+def test_it_stands_aside_where_it_does_not_apply(paged_runner):
+    model, config = tiny_model("bf16", qk_norm=True)  # Qwen3's per-head q/k norm: not in the native step
+    decode(model, config, paged_runner, [5, 6, 7], 1, one_call=True)
+    assert model._decoder[1] is None
+    unpacked = build_empty_model(config, torch.bfloat16, torch.device("cpu"))  # nn.Linear keeps no kernel weights
+    assert unpacked._one_token_decoder([torch.zeros(2, 8, 4, 2, 16, dtype=torch.bfloat16)] * 3) is None
+
+
+def test_it_rejects_what_it_cannot_read():
+    from servelm import kernels
+
+    model, config = tiny_model("bf16")
+    caches = [torch.zeros(2, 8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
+    decoder = model._one_token_decoder(caches)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one contiguous bfloat16 row"):
+        decoder(torch.zeros(2, 64, dtype=torch.bfloat16), 0, torch.tensor([0]))
+    with pytest.raises(ValueError, match="cover the position"):
+        decoder(x, 4, torch.tensor([0]))  # one block of 4 holds positions 0-3
+    native = kernels.cpu_kernels()
+    layer = model.model.layers[0]
+    good = kernels.DecoderLayerWeights(
+        layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+        *(m.one_row_weights() for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                       layer.mlp.down_proj)),
+        caches[0],
+    )  # fmt: skip
+    args = dict(final_norm=model.model.norm.weight, cos_sin=model.rotary.cos_sin, heads=6, eps=1e-5, scale=0.25)
+    native.one_token_decoder([good], **args)
+    with pytest.raises(ValueError, match="o has shape"):
+        native.one_token_decoder([good._replace(o=good.qkv)], **args)
+    with pytest.raises(ValueError, match="int8 with scales"):
+        native.one_token_decoder([good._replace(o=good.o._replace(weight=good.o.weight.float()))], **args)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.one_token_decoder([good._replace(kv_cache=caches[0].float())], **args)
