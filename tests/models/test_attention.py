@@ -121,10 +121,16 @@ def test_new_kv_written_at_slots():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (16, 2, 32)])
-def test_long_decodes_at_model_shapes(dtype, num_heads, num_kv_heads, head_dim):
-    """Contexts across many 16-token blocks, at real head shapes, in both cache dtypes."""
-    case = make_case([], [1, 16, 17, 250, 129], num_heads, num_kv_heads, head_dim=head_dim, block_size=16, seed=7)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    # SmolLM2, Llama-3-8B's groups of 4, 128-dim heads, 7 query heads per KV head (Qwen2-0.5B), 32-dim heads
+    [(9, 3, 64), (32, 8, 128), (8, 8, 128), (14, 2, 64), (16, 2, 32)],
+)
+@pytest.mark.parametrize("contexts", [[1, 16, 17, 250, 129], [250]], ids=["batch", "one"])
+def test_long_decodes_at_model_shapes(dtype, num_heads, num_kv_heads, head_dim, contexts):
+    """Contexts across many 16-token blocks, at real head shapes, in both cache dtypes; one sequence alone
+    (the native kernel then splits it by KV head)."""
+    case = make_case([], contexts, num_heads, num_kv_heads, head_dim=head_dim, block_size=16, seed=7)
     got = paged_attention(
         case.query.to(dtype), case.key.to(dtype), case.value.to(dtype), case.cache.to(dtype), case.meta, case.scale
     )
