@@ -8,7 +8,7 @@ offset ``t % block_size``; its flat slot is ``block * block_size + offset``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,8 @@ class AttentionMetadata:
     num_prefill_tokens: int  # tokens [0, num_prefill_tokens) belong to prefills
     # The decodes' context_lens as a tensor, made once per step so every layer reuses it:
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64 on the device
+    # Each prefix-cached prefill's attention mask, built by the first layer and reused by the rest:
+    prefix_masks: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -88,7 +90,13 @@ def paged_attention(
             out[start:end] = _causal_attention(query[start:end], key[start:end], value[start:end], scale)
         else:
             keys, values = gather_kv(kv_cache, meta.block_tables[i : i + 1], context_len)
-            out[start:end] = _prefix_attention(query[start:end], keys[0], values[0], context_len, scale)
+            group = query.shape[1] // kv_cache.shape[-2]
+            shape = (query_len, context_len, group)
+            if shape not in meta.prefix_masks:
+                meta.prefix_masks[shape] = _prefix_mask(*shape, query.dtype, query.device)
+            out[start:end] = _grouped_attention(
+                query[None, start:end], keys, values, meta.prefix_masks[shape], scale, folded_mask=True
+            )[0]
         start = end
     if meta.num_prefill_tokens < query.shape[0]:
         out[meta.num_prefill_tokens :] = _decode_attention(query[meta.num_prefill_tokens :], kv_cache, meta, scale)
@@ -109,15 +117,16 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out[0].transpose(0, 1)
 
 
-def _prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float
-) -> torch.Tensor:
-    """A chunk of queries at the end of a ``context_len`` context, each seeing keys up to its own position."""
-    query_len = q.shape[0]
-    query_pos = torch.arange(context_len - query_len, context_len, device=q.device)
-    key_pos = torch.arange(context_len, device=q.device)
-    mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, context_len]
-    return _grouped_attention(q[None], k[None], v[None], mask[None], scale)[0]
+def _prefix_mask(query_len: int, context_len: int, group: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The additive mask of a chunk of queries at the end of a ``context_len`` context, each seeing keys up
+    to its own position, laid out for ``_grouped_attention``'s folded heads: ``[1, 1, group * query_len,
+    context_len]``, 0 where a query attends and -inf where it does not (SDPA would convert a boolean one on
+    every call)."""
+    query_pos = torch.arange(context_len - query_len, context_len, device=device)
+    key_pos = torch.arange(context_len, device=device)
+    allowed = key_pos[None, :] <= query_pos[:, None]  # [query_len, context_len]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return mask.repeat(group, 1)[None, None]
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -141,15 +150,16 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
 
 
 def _grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, folded_mask: bool = False
 ) -> torch.Tensor:
     """Masked GQA without copying K/V per query head.
 
     q ``[batch, q_len, heads, dim]``, k/v ``[batch, kv_len, kv_heads, dim]``,
-    mask ``[batch, q_len, kv_len]`` (True attends). The query heads that share a
-    KV head are folded into the query-length axis, so SDPA runs as plain
-    multi-head attention over ``kv_heads`` (memory-efficient kernels on CUDA
-    take a mask but not ``enable_gqa``).
+    mask ``[batch, q_len, kv_len]`` (True attends), or with ``folded_mask`` one
+    already laid out for the folded heads (``_prefix_mask``). The query heads
+    that share a KV head are folded into the query-length axis, so SDPA runs as
+    plain multi-head attention over ``kv_heads`` (memory-efficient kernels on
+    CUDA take a mask but not ``enable_gqa``).
     """
     batch, q_len, num_heads, dim = q.shape
     num_kv_heads = k.shape[2]
@@ -157,9 +167,9 @@ def _grouped_attention(
     # Head h reads KV head h // group, as in HF's repeat_kv.
     q = q.reshape(batch, q_len, num_kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(batch, num_kv_heads, group * q_len, dim)
-    if q_len == 1:
+    if q_len == 1 and not folded_mask:
         mask = mask[:, None]  # [batch, 1, 1, kv_len] broadcasts over heads and the group's rows
-    else:
+    elif not folded_mask:
         mask = mask[:, None].expand(batch, group, q_len, mask.shape[-1]).reshape(batch, 1, group * q_len, -1)
     out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.view(batch, num_kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, dim)
