@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", metavar="N", help=f"tokens per KV cache block, a power of two (default: {d('block_size')})")
     g.add_argument("--prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction, help="reuse the KV cache of shared prompt prefixes (default: on)")
     g.add_argument("--seed", metavar="N", help=f"engine random seed (default: {d('seed')})")
-    g.add_argument("--quantization", choices=["none", "int8"], help=f"weights: none, or int8 weight-only on CPU (per-row scales; decodes a few sequences faster than float32, more memory; on a CPU with fast bfloat16 no faster than bfloat16 today; see docs/BENCHMARKS.md) (default: {d('quantization')})")
+    g.add_argument("--quantization", choices=["none", "int8"], help=f"weights: none, or int8 weight-only on CPU (per-row scales; decodes one sequence faster than float32 and bfloat16, more memory; see docs/BENCHMARKS.md) (default: {d('quantization')})")
     g = serve.add_argument_group("HTTP")
     g.add_argument("--host", metavar="HOST", help=f"address to listen on (default: {d('host')})")
     g.add_argument("--port", metavar="PORT", help=f"port to listen on, 0 for any free port (default: {d('port')})")
