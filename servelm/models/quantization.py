@@ -5,10 +5,11 @@ scale per output row (symmetric, round to nearest). Decoding a few sequences
 is bound by reading the weights, so small batches run an int8 weight-only
 kernel with bf16 activations, which reads a quarter of the float32 bytes:
 servelm's own for one row (``servelm.kernels``, where it is built), torch's
-``aten._weight_int8pack_mm`` otherwise. Large batches are bound by compute,
-where that kernel is slow, so they run a GEMM in the model's dtype on the
-same weights dequantized once (prepacked for oneDNN in bfloat16, as
-``packed.py`` does for unquantized models). Both paths compute with the
+``aten._weight_int8pack_mm`` otherwise (where the input width is a multiple
+of 16: that kernel crashes on other widths, which take the dense copy).
+Large batches are bound by compute, where that kernel is slow, so they run a
+GEMM in the model's dtype on the same weights dequantized once (prepacked
+for oneDNN in bfloat16, as ``packed.py`` does for unquantized models). Both paths compute with the
 quantized weights: the model is the same at every batch size, up to the
 activations' rounding.
 
@@ -66,14 +67,14 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > self.small_batch:
-            return F.linear(x, self.weight, self.bias) if self.dense is None else self.dense(x)
-        flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16).contiguous()
+        flat = x.reshape(rows, x.shape[-1]).to(torch.bfloat16).contiguous() if rows <= self.small_batch else None
         native = kernels.for_tensors(flat) if rows == 1 else None
         if native:
             out = native.int8_linear(flat, self.qweight, self.scales).to(x.dtype)
-        else:
+        elif flat is not None and self.in_features % 16 == 0:  # PyTorch's kernel crashes on other widths
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales).to(x.dtype)
+        else:
+            return F.linear(x, self.weight, self.bias) if self.dense is None else self.dense(x)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
