@@ -8,7 +8,9 @@ bfloat16 over plain bfloat16 and over float32 in the same run. This is the
 measurement behind ``servelm/models/packed.py`` and ``--dtype auto``. For
 M=1 it then times servelm's own GEMV kernel over the plain bfloat16 weights
 (``PackedLinear(keep_plain=True)``, what batch-1 decoding runs) against the
-packed weights, alternating, with the bytes of weights read per second.
+packed weights, alternating, with the bytes of weights read per second: once
+over plain weights as PyTorch allocates them, once over copies on transparent
+huge pages (``huge_page_copies``, where the model runner puts them).
 
     .venv/bin/python bench/gemm.py --rows 1 8 32 128 512
 """
