@@ -112,6 +112,19 @@ def test_block_sizes(block_size):
     torch.testing.assert_close(case.run(), case.expected, atol=1e-5, rtol=1e-5)
 
 
+def test_stale_nan_past_the_context_does_not_leak_in():
+    """A freed block's old contents stay in its unused slots; a NaN left there must not reach the output."""
+    case = make_case([(13, 5), (6, 2)], [7, 3], 4, 2)  # 13, 6, 7, 3 tokens: the last blocks have stale slots
+    flat = case.cache.view(2, -1, *case.cache.shape[-2:])
+    for i, ctx in enumerate(case.meta.context_lens):
+        table = case.meta.block_tables[i]
+        stale = [table[t // 4] * 4 + t % 4 for t in range(ctx, -(-ctx // 4) * 4)]
+        flat[:, stale] = float("nan")
+    out = case.run()
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, case.expected, atol=1e-5, rtol=1e-5)
+
+
 def test_new_kv_written_at_slots():
     case = make_case([(9, 4)], [6], 4, 2)
     case.run()
