@@ -187,8 +187,10 @@ def apply_penalties(
 
 def _choose(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     greedy = [is_greedy(s.params) for s in states]
+    # max's indices, not argmax: the same first index of the largest, but argmax of a
+    # [rows, vocab] CPU tensor takes about twice as long in torch 2.13.
     if all(greedy):
-        return x.argmax(dim=-1)
+        return x.max(dim=-1).indices
     if not any(greedy):
         return _sample(x, states)
     dev = x.device
@@ -196,7 +198,7 @@ def _choose(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     g_rows = torch.tensor([i for i, g in enumerate(greedy) if g], device=dev)
     s_idx = [i for i, g in enumerate(greedy) if not g]
     s_rows = torch.tensor(s_idx, device=dev)
-    tokens[g_rows] = x[g_rows].argmax(dim=-1)
+    tokens[g_rows] = x[g_rows].max(dim=-1).indices
     tokens[s_rows] = _sample(x[s_rows], [states[i] for i in s_idx])
     return tokens
 
