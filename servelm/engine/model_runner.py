@@ -108,7 +108,8 @@ class ModelRunner:
         # transparent huge pages it takes a TLB miss every 2 MiB instead of every 4 KiB (malloc.py).
         owners = [(m, "plain_weight") for m in self.model.modules() if getattr(m, "plain_weight", None) is not None]
         owners += [(m, "qweight") for m in self.model.modules() if isinstance(m, Int8Linear)]
-        if not owners:
+        nbytes = sum(getattr(m, a).nbytes for m, a in owners)
+        if not owners or nbytes > _free_memory_bytes(self.device) // 2:  # the old copies go only once all are made
             return
         for (module, attr), copy in zip(owners, huge_page_copies([getattr(m, a) for m, a in owners])):
             setattr(module, attr, copy)
