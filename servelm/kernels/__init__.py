@@ -7,7 +7,8 @@
   reads the cache blocks in place (2-4x faster per layer, bench/kernels.py).
 - ``fused_ops.c``: the decoder's elementwise chains (residual add + RMSNorm,
   RoPE on q and k, SiLU * up), one call each instead of up to 20 small
-  PyTorch ops, whose per-op overhead dominates a small batch.
+  PyTorch ops, whose per-op overhead dominates a small batch; and the copy of
+  a step's K/V rows into their cache slots.
 - ``gemv.c``: matrix-vector products for batch-1 decoding, bfloat16 and
   int8 weights, streaming each weight row once at close to memory speed:
   about twice oneDNN's prepacked GEMV and PyTorch's ``_weight_int8pack_mm``
@@ -186,6 +187,8 @@ class CpuKernels:
         self._int8_linear.argtypes, self._int8_linear.restype = [_P, _I, _P, _P, _I, _P, _T], None
         self._gemv = lib.bf16_gemv
         self._gemv.argtypes, self._gemv.restype = [_P, _I, _P, _P, _I, _P, _T], None
+        self._write_kv = lib.write_kv
+        self._write_kv.argtypes, self._write_kv.restype = [_P, _P, _P, _P, _I, _P, _I, _I], None
         self._decode_one = lib.decode_one_bf16
         self._decode_one.argtypes, self._decode_one.restype = [ctypes.POINTER(_Decoder), _P, _I, _P, _T], None
 
@@ -222,6 +225,26 @@ class CpuKernels:
             batch, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """``kv_cache[0]``'s and ``kv_cache[1]``'s flat slot ``slots[t]`` = token t's ``key`` and ``value``
+        ``[T, kv_heads, head_dim]`` (each token's heads contiguous; the token axis may be strided, as in views
+        of the fused QKV output, the same for both), as ``attention.write_kv_cache`` does."""
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        if key.shape != (key.shape[0], num_kv_heads, head_dim) or value.shape != key.shape:
+            raise ValueError("write_kv: key, value and cache shapes disagree")
+        if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype or not kv_cache.is_contiguous():
+            raise ValueError("write_kv: key and value must have the cache's dtype, the cache be contiguous")
+        if key.stride()[1:] != (head_dim, 1) or value.stride() != key.stride():
+            raise ValueError("write_kv: each token's heads must be contiguous, key and value alike")
+        if slots.dtype != torch.int64 or slots.shape != (key.shape[0],):
+            raise ValueError("write_kv: slots must be int64 [tokens]")
+        slots = slots.contiguous()
+        size = key.element_size()
+        self._write_kv(
+            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(0) * size,
+            slots.data_ptr(), key.shape[0], num_kv_heads * head_dim * size,
+        )  # fmt: skip
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

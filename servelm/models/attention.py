@@ -39,6 +39,10 @@ class AttentionMetadata:
 
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
+    native = kernels.for_tensors(kv_cache, key, value)
+    if native and key.stride()[1:] == (key.shape[2], 1) and value.stride() == key.stride():
+        native.write_kv(kv_cache, key, value, slot_mapping)
+        return
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     # kv_cache[i] of a contiguous cache is contiguous, so the flat view aliases the cache.
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))

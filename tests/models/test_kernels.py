@@ -178,6 +178,25 @@ def test_gemv_matches_the_linear_layer(native, in_features, out_features, with_b
     torch.testing.assert_close(got.double(), expected, rtol=8e-3, atol=1e-3 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_stores_strided_rows_at_their_slots(native, dtype):
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(5, (4 + 2 * 2) * 8, generator=gen).to(dtype)  # 4 q heads, 2 KV heads of 8: k, v are views
+    _, key, value = qkv.split([32, 16, 16], -1)
+    key, value = key.view(5, 2, 8), value.view(5, 2, 8)
+    slots = torch.tensor([9, 0, 14, 3, 10])
+    cache = torch.randn(2, 4, 4, 2, 8, generator=gen).to(dtype)
+    expected = cache.clone()
+    expected[0].view(-1, 2, 8)[slots] = key
+    expected[1].view(-1, 2, 8)[slots] = value
+    native.write_kv(cache, key, value, slots)
+    assert torch.equal(cache, expected)  # a copy: every other slot untouched
+    with pytest.raises(ValueError, match="dtype"):
+        native.write_kv(cache, key.double(), value.double(), slots)
+    with pytest.raises(ValueError, match="heads must be contiguous"):
+        native.write_kv(cache, key.transpose(0, 1).contiguous().transpose(0, 1), value, slots)
+
+
 def test_rejects_inputs_it_cannot_read(native):
     cache = torch.zeros(2, 4, 4, 2, 8)
     query = torch.zeros(1, 4, 8)
