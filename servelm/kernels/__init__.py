@@ -420,6 +420,10 @@ def _self_check(kernels: CpuKernels) -> None:
             torch.cat([torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).view(3, 16), x[:, 16:]], -1),
         ),
         "silu_mul": (lambda dt: kernels.silu_mul(x.to(dt)), torch.nn.functional.silu(x[:, :20]) * x[:, 20:]),
+        "write_kv": (  # rows 0 and 1 of x as three tokens' K and V heads, into slots 5, 0, 2 of a zero cache
+            lambda dt: _written(kernels, x.to(dt), torch.tensor([5, 0, 2])),
+            torch.zeros(2, 6, 16).index_copy_(1, torch.tensor([5, 0, 2]), x[:, :32].view(3, 2, 16).transpose(0, 1)),
+        ),
     }
     qweight = torch.randint(-127, 128, (12, 40), generator=gen, dtype=torch.int8)
     scales = torch.rand(12, generator=gen).to(torch.bfloat16)
@@ -438,6 +442,12 @@ def _self_check(kernels: CpuKernels) -> None:
                 raise RuntimeError(f"{name} in {dtype} differs from PyTorch's in shape: {tuple(got.shape)}")
             if not torch.allclose(got, expected.double(), atol=tol, rtol=tol):
                 raise RuntimeError(f"{name} in {dtype} differs from PyTorch's by {(got - expected).abs().max():.3g}")
+
+
+def _written(kernels: CpuKernels, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    cache = x.new_zeros(2, 3, 2, 1, 16)  # 6 slots of one 16-dim head
+    kernels.write_kv(cache, x[:, :16].view(3, 1, 16), x[:, 16:32].view(3, 1, 16), slots)
+    return cache.view(2, 6, 16)
 
 
 def _rotated(kernels: CpuKernels, x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ def test_failed_build_means_the_pytorch_path(fresh, monkeypatch, tmp_path, caplo
 
 
 @needs_compiler
-@pytest.mark.parametrize("broken", ["decode_attention", "rms_norm", "silu_mul", "int8_linear", "gemv"])
+@pytest.mark.parametrize("broken", ["decode_attention", "rms_norm", "silu_mul", "write_kv", "int8_linear", "gemv"])
 def test_self_check_rejects_wrong_results(fresh, broken):
     lib = ctypes.PyDLL(str(kernels._build("cc")))
     kernels._self_check(kernels.CpuKernels(lib))  # the real build passes
