@@ -68,6 +68,11 @@ void rope_##SUFFIX(T *x, int64_t rows, int64_t stride, int64_t heads, int64_t D,
     }                                                                                               \
 }
 
+/* exp(-|v|), at most 1: SiLU as v / (1 + e) for v >= 0 and v * e / (1 + e)
+ * below never overflows (exp(-v) is inf below about -88, and -ffast-math
+ * lets the compiler assume no infinity: v / (1 + inf) came out NaN). */
+static inline float silu_exp(float v) { return expf(-fabsf(v)); }
+
 /* out = round(silu(gate)) * up, for gate_up rows [gate | up] of 2 * inner. */
 #define DEFINE_SILU_MUL(SUFFIX, T, LOAD, STORE, ROUND)                                               \
 void silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t inner, int nthreads) {       \
@@ -78,8 +83,8 @@ void silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t inner, in
         T *o = out + r * inner;                                                                     \
         _Pragma("omp simd")                                                                         \
         for (int64_t i = 0; i < inner; i++) {                                                       \
-            const float v = LOAD(g[i]);                                                             \
-            o[i] = STORE(ROUND(v / (1.f + expf(-v))) * LOAD(u[i]));                                 \
+            const float v = LOAD(g[i]), e = silu_exp(v);                                            \
+            o[i] = STORE(ROUND(v * (v < 0.f ? e : 1.f) / (1.f + e)) * LOAD(u[i]));                  \
         }                                                                                           \
     }                                                                                               \
 }
@@ -88,8 +93,63 @@ DEFINE_NORM(bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16_round)
 DEFINE_NORM(f32, float, f32_identity, f32_identity, f32_identity)
 DEFINE_ROPE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ROPE(f32, float, f32_identity, f32_identity)
-DEFINE_SILU_MUL(bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16_round)
 DEFINE_SILU_MUL(f32, float, f32_identity, f32_identity, f32_identity)
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* exp(x) to about an ulp, 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
+ * two parts, so that r stays exact), e^r by its Taylor series to r^7, times
+ * 2^n (vscalefps: overflow to inf and underflow to 0 as expf does). */
+static inline __m512 exp16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    static const float coefficients[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+    for (int i = 0; i < 7; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficients[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 widen16_bits(__m256i bits) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+static inline __m512 widen16(const uint16_t *p) { return widen16_bits(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* The bfloat16 SiLU * up on AVX512-BF16: libmvec's expf and a divide made it
+ * compute-bound (1.5 ms for 2048 x 1536, five times a copy of the same
+ * bytes); this exp and a refined reciprocal take it about 2x faster. Its
+ * results differ from the portable loop's in a handful of elements per
+ * million, by one bfloat16 step. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inner, int nthreads) {
+    const int64_t width = inner;
+    PARALLEL
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inner, *u = g + inner;
+        uint16_t *o = out + r * inner;
+        int64_t i = 0;
+        for (; i + 16 <= inner; i += 16) {
+            /* sigmoid(v) = 1 / (1 + e) for v >= 0, e / (1 + e) below, with e = exp(-|v|) <= 1: no overflow */
+            const __m512 v = widen16(g + i);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v)));
+            const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+            __m512 inv = _mm512_rcp14_ps(d); /* 14 bits, then one Newton step */
+            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
+            const __m512 sigmoid = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), inv, e);
+            const __m512 silu = widen16_bits((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sigmoid))); /* rounded */
+            _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, widen16(u + i))));
+        }
+        for (; i < inner; i++) {
+            const float v = bf16_to_f32(g[i]), e = silu_exp(v);
+            o[i] = f32_to_bf16(bf16_round(v * (v < 0.f ? e : 1.f) / (1.f + e)) * bf16_to_f32(u[i]));
+        }
+    }
+}
+#else
+DEFINE_SILU_MUL(bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16_round)
+#endif
 
 /* This step's K and V rows into their cache slots: row t of key (value), at
  * key + t * stride bytes, row_bytes long, goes to slot slots[t] of k_cache

@@ -141,6 +141,19 @@ def test_silu_mul_matches_the_mlp(native, dtype, rows):
     assert_same_rounding(native.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_at_extreme_gates(native, dtype):
+    # exp(-gate) overflows float32 below about -88: SiLU is then -0 or a tiny number, never NaN.
+    gate = torch.tensor([-1e4, -200, -100, -90, -88.5, -20, -1e-3, 0, 1e-3, 20, 88.5, 90, 100, 200, 1e4, 3] * 2)
+    gate = torch.cat([gate, torch.tensor([-1e4, -90, 1e4])])  # 35 gates: two vectors and a scalar tail
+    gate_up = torch.cat([gate, torch.linspace(-2, 2, 35)])[None].to(dtype)
+    got = native.silu_mul(gate_up)
+    assert not got.isnan().any()
+    # Where PyTorch's exp overflows to inf its SiLU is -0; the kernels' may keep a tiny value (~1e-37).
+    expected = (F.silu(gate_up[:, :35]) * gate_up[:, 35:]).float()
+    torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=1e-30)
+
+
 @pytest.mark.parametrize(
     "in_features,out_features,reference",
     # PyTorch's int8 kernel crashes on some odd shapes (rows left from groups of four, columns from whole
