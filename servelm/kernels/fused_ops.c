@@ -2,8 +2,9 @@
  * small PyTorch ops (8 for a norm, 20 for RoPE on q and k) whose per-op
  * overhead dominates at small batch. Every rounding matches the PyTorch
  * code it replaces (servelm/models/llama.py): float32 arithmetic, results
- * rounded to the tensor's dtype where PyTorch's intermediate would be.
- * Built at first use by servelm/kernels. */
+ * rounded to the tensor's dtype where PyTorch's intermediate would be (exp's
+ * last bit, theirs or PyTorch's, can still tip a bfloat16 rounding now and
+ * then). Built at first use by servelm/kernels. */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
