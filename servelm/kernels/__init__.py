@@ -26,7 +26,8 @@ as PyTorch's own small ops do: a ``CDLL`` would hand it over at every call,
 and the engine thread would then wait on the server's event loop a hundred
 times a step. The build uses
 ``-march=native``, so the file name carries a hash of the sources, the flags,
-the compiler's version and this CPU's feature flags. A freshly loaded library
+the compiler's version and this CPU's feature flags; a new build deletes the
+others that have not been opened for a month. A freshly loaded library
 is checked against PyTorch on small cases before it is used. Without a
 compiler, or if the build or the check fails, ``cpu_kernels()`` returns None
 (with one warning) and callers keep the PyTorch path.
@@ -43,6 +44,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -99,7 +101,24 @@ def _build(compiler: str) -> Path:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
         os.replace(lib, target)  # atomic: a concurrent process sees no half-written file
     logger.info("compiled servelm's CPU kernels into %s", target)
+    _prune(target)
     return target
+
+
+# Builds of other sources (older servelm versions) unused for this long are deleted after a new build.
+_STALE_SECONDS = 30 * 24 * 3600
+
+
+def _prune(keep: Path) -> None:
+    """Delete the cache's other builds not opened for ``_STALE_SECONDS`` (a checkout still using one
+    rebuilds it in seconds; a process that has one loaded keeps its mapping)."""
+    cutoff = time.time() - _STALE_SECONDS
+    for old in keep.parent.glob("servelm_kernels-*.so"):
+        try:
+            if old != keep and max(old.stat().st_atime, old.stat().st_mtime) < cutoff:
+                old.unlink()
+        except OSError:
+            pass  # gone already, or not ours to delete
 
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int

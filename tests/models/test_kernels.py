@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -46,6 +48,19 @@ def test_built_once_then_reused_from_the_cache(fresh):
     assert kernels.cpu_kernels() is not None
     assert [p.name for p in fresh.iterdir()] == [built.name]  # no second build, no leftovers
     assert built.stat().st_mtime_ns == stamp
+
+
+@needs_compiler
+def test_a_new_build_deletes_builds_unused_for_a_month(fresh):
+    fresh.mkdir(parents=True)
+    stale, recent = fresh / "servelm_kernels-0000000000000000.so", fresh / "servelm_kernels-1111111111111111.so"
+    for path in (stale, recent):
+        path.write_bytes(b"an older servelm's build")
+    month_ago = time.time() - kernels._STALE_SECONDS - 60
+    os.utime(stale, (month_ago, month_ago))
+    assert kernels.cpu_kernels() is not None
+    names = sorted(p.name for p in fresh.iterdir())
+    assert recent.name in names and stale.name not in names and len(names) == 2
 
 
 def test_no_compiler_means_the_pytorch_path(fresh, monkeypatch, caplog):
