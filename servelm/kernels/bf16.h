@@ -20,3 +20,14 @@ static inline uint16_t f32_to_bf16(float f) {
 
 /* The float32 counterpart of both, for kernels written once for the two dtypes. */
 static inline float f32_identity(float f) { return f; }
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 bfloat16 (their bits) widened to 16 float32 lanes. */
+static inline __m512 widen16_bits(__m256i bits) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+static inline __m512 widen16(const uint16_t *p) { return widen16_bits(_mm256_loadu_si256((const __m256i *)p)); }
+#endif

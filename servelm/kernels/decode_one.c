@@ -24,6 +24,8 @@ void bf16_gemv(const uint16_t *x, int64_t K, const uint16_t *w, const uint16_t *
                int nthreads);
 void int8_linear_bf16(const uint16_t *x, int64_t K, const int8_t *w, const uint16_t *scales, int64_t N,
                       uint16_t *out, int nthreads);
+void write_kv(char *k_cache, char *v_cache, const char *key, const char *value, int64_t stride, const int64_t *slots,
+              int64_t rows, int64_t row_bytes);
 void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int64_t *tables, int64_t max_blocks, const int64_t *lens, uint16_t *out, int64_t B,
                        int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int nthreads);
@@ -79,8 +81,8 @@ void decode_one_bf16(const struct decoder *m, uint16_t *x, int64_t position, con
         add_rms_norm_bf16(x, i ? residual : NULL, l->input_norm, normed, 1, hidden, m->eps, nthreads);
         linear(&l->qkv, normed, hidden, qkv_size, qkv, nthreads);
         rope_bf16(qkv, 1, qkv_size, m->heads + m->kv_heads, D, m->cos_sin, &position, nthreads);
-        memcpy(l->k_cache + slot * kv_size, qkv + q_size, sizeof(uint16_t) * (size_t)kv_size);
-        memcpy(l->v_cache + slot * kv_size, qkv + q_size + kv_size, sizeof(uint16_t) * (size_t)kv_size);
+        write_kv((char *)l->k_cache, (char *)l->v_cache, (const char *)(qkv + q_size),
+                 (const char *)(qkv + q_size + kv_size), 0, &slot, 1, kv_size * (int64_t)sizeof(uint16_t));
         paged_decode_bf16(qkv, qkv_size, l->k_cache, l->v_cache, table, position / m->block_size + 1, &len, attn, 1,
                           m->heads, m->kv_heads, D, m->block_size, m->scale, nthreads);
         linear(&l->o, attn, q_size, hidden, x, nthreads);

@@ -69,10 +69,13 @@ void rope_##SUFFIX(T *x, int64_t rows, int64_t stride, int64_t heads, int64_t D,
     }                                                                                               \
 }
 
-/* exp(-|v|), at most 1: SiLU as v / (1 + e) for v >= 0 and v * e / (1 + e)
- * below never overflows (exp(-v) is inf below about -88, and -ffast-math
- * lets the compiler assume no infinity: v / (1 + inf) came out NaN). */
-static inline float silu_exp(float v) { return expf(-fabsf(v)); }
+/* SiLU with e = exp(-|v|), at most 1: v / (1 + e) for v >= 0 and v * e /
+ * (1 + e) below never overflows (exp(-v) is inf below about -88, and
+ * -ffast-math lets the compiler assume no infinity: v / (1 + inf) came out NaN). */
+static inline float silu(float v) {
+    const float e = expf(-fabsf(v));
+    return v * (v < 0.f ? e : 1.f) / (1.f + e);
+}
 
 /* out = round(silu(gate)) * up, for gate_up rows [gate | up] of 2 * inner. */
 #define DEFINE_SILU_MUL(SUFFIX, T, LOAD, STORE, ROUND)                                               \
@@ -84,8 +87,7 @@ void silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t inner, in
         T *o = out + r * inner;                                                                     \
         _Pragma("omp simd")                                                                         \
         for (int64_t i = 0; i < inner; i++) {                                                       \
-            const float v = LOAD(g[i]), e = silu_exp(v);                                            \
-            o[i] = STORE(ROUND(v * (v < 0.f ? e : 1.f) / (1.f + e)) * LOAD(u[i]));                  \
+            o[i] = STORE(ROUND(silu(LOAD(g[i]))) * LOAD(u[i]));                                     \
         }                                                                                           \
     }                                                                                               \
 }
@@ -97,8 +99,6 @@ DEFINE_ROPE(f32, float, f32_identity, f32_identity)
 DEFINE_SILU_MUL(f32, float, f32_identity, f32_identity, f32_identity)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-
 /* exp(x) to about an ulp, 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
  * two parts, so that r stays exact), e^r by its Taylor series to r^7, times
  * 2^n (vscalefps: overflow to inf and underflow to 0 as expf does). */
@@ -112,12 +112,6 @@ static inline __m512 exp16(__m512 x) {
     for (int i = 0; i < 7; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficients[i]));
     return _mm512_scalef_ps(p, n);
 }
-
-static inline __m512 widen16_bits(__m256i bits) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-static inline __m512 widen16(const uint16_t *p) { return widen16_bits(_mm256_loadu_si256((const __m256i *)p)); }
 
 /* The bfloat16 SiLU * up on AVX512-BF16: libmvec's expf and a divide made it
  * compute-bound (1.5 ms for 2048 x 1536, five times a copy of the same
@@ -142,10 +136,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
             const __m512 silu = widen16_bits((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sigmoid))); /* rounded */
             _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, widen16(u + i))));
         }
-        for (; i < inner; i++) {
-            const float v = bf16_to_f32(g[i]), e = silu_exp(v);
-            o[i] = f32_to_bf16(bf16_round(v * (v < 0.f ? e : 1.f) / (1.f + e)) * bf16_to_f32(u[i]));
-        }
+        for (; i < inner; i++) o[i] = f32_to_bf16(bf16_round(silu(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
     }
 }
 #else

@@ -13,8 +13,7 @@
 #include "bf16.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define ATTENTION_AVX512BF16 1
+#define ATTENTION_AVX512BF16 1 /* bf16.h brings immintrin.h */
 #endif
 
 /* Blocks are scattered through the cache, where the hardware prefetcher cannot
@@ -59,10 +58,6 @@ static inline __m512 dot_bf16(const uint16_t *a, const uint16_t *b, int64_t D) {
     for (int64_t d = 0; d < D; d += 32)
         s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(a + d), (__m512bh)_mm512_loadu_si512(b + d));
     return s;
-}
-
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 /* acc (ROWS query heads x 64 dims, in registers) = sum over t of p[r][t] * v_t, for the 64 dims at v_rows[t]. */
