@@ -81,7 +81,7 @@ def main() -> None:
 def _gemv_against_packed(weights: list[torch.Tensor], packed: list[PackedLinear], repeats: int) -> None:
     gemv = [PackedLinear(w, keep_plain=True) for w in weights]
     huge = [PackedLinear(w, keep_plain=True) for w in weights]
-    for layer, copy in zip(huge, huge_page_copies([w for w in weights])):
+    for layer, copy in zip(huge, huge_page_copies(weights)):
         layer.plain_weight = copy  # as the model runner places them
     x = {i: torch.randn(1, i).to(torch.bfloat16) for i in (HIDDEN, FFN)}
     runs = {"packed": packed, "gemv": gemv, "gemv, huge pages": huge}

@@ -115,7 +115,8 @@ def _prune(keep: Path) -> None:
     cutoff = time.time() - _STALE_SECONDS
     for old in keep.parent.glob("servelm_kernels-*.so"):
         try:
-            if old != keep and max(old.stat().st_atime, old.stat().st_mtime) < cutoff:
+            stat = old.stat()
+            if old != keep and max(stat.st_atime, stat.st_mtime) < cutoff:
                 old.unlink()
         except OSError:
             pass  # gone already, or not ours to delete

@@ -104,9 +104,8 @@ def paged_attention(
             shape = (query_len, context_len, padded_len, group)
             if shape not in meta.prefix_masks:
                 meta.prefix_masks[shape] = _prefix_mask(*shape, query.dtype, query.device)
-            out[start:end] = _grouped_attention(
-                query[None, start:end], keys, values, meta.prefix_masks[shape], scale, folded_mask=True
-            )[0]
+            mask = meta.prefix_masks[shape]
+            out[start:end] = _grouped_attention(query[None, start:end], keys, values, mask, scale)[0]
         start = end
     if meta.num_prefill_tokens < query.shape[0]:
         out[meta.num_prefill_tokens :] = _decode_attention(query[meta.num_prefill_tokens :], kv_cache, meta, scale)
@@ -136,7 +135,7 @@ def _prefix_mask(
     would convert a boolean one on every call)."""
     query_pos = torch.arange(context_len - query_len, context_len, device=device)
     key_pos = torch.arange(padded_len, device=device)
-    allowed = key_pos[None, :] <= query_pos[:, None]  # [query_len, context_len]
+    allowed = key_pos[None, :] <= query_pos[:, None]  # [query_len, padded_len]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
     return mask.repeat(group, 1)[None, None]
 
@@ -162,20 +161,21 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     # left there cannot leak in through its zero weight.
     stale = ~mask[:, :, None, None]
     keys, values = keys.masked_fill(stale, 0), values.masked_fill(stale, 0)
-    return _grouped_attention(q[:, None], keys, values, mask[:, None], scale)[:, 0]
+    # [batch, 1, 1, kv_len]: one query row per sequence, the same for every head
+    return _grouped_attention(q[:, None], keys, values, mask[:, None, None], scale)[:, 0]
 
 
 def _grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, folded_mask: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Masked GQA without copying K/V per query head.
 
     q ``[batch, q_len, heads, dim]``, k/v ``[batch, kv_len, kv_heads, dim]``,
-    mask ``[batch, q_len, kv_len]`` (True attends), or with ``folded_mask`` one
-    already laid out for the folded heads (``_prefix_mask``). The query heads
-    that share a KV head are folded into the query-length axis, so SDPA runs as
-    plain multi-head attention over ``kv_heads`` (memory-efficient kernels on
-    CUDA take a mask but not ``enable_gqa``).
+    a mask broadcastable to the folded heads' scores ``[batch, kv_heads, group *
+    q_len, kv_len]`` (boolean, True attends, or additive: ``_prefix_mask``).
+    The query heads that share a KV head are folded into the query-length
+    axis, so SDPA runs as plain multi-head attention over ``kv_heads``
+    (memory-efficient kernels on CUDA take a mask but not ``enable_gqa``).
     """
     batch, q_len, num_heads, dim = q.shape
     num_kv_heads = k.shape[2]
@@ -183,9 +183,5 @@ def _grouped_attention(
     # Head h reads KV head h // group, as in HF's repeat_kv.
     q = q.reshape(batch, q_len, num_kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(batch, num_kv_heads, group * q_len, dim)
-    if q_len == 1 and not folded_mask:
-        mask = mask[:, None]  # [batch, 1, 1, kv_len] broadcasts over heads and the group's rows
-    elif not folded_mask:
-        mask = mask[:, None].expand(batch, group, q_len, mask.shape[-1]).reshape(batch, 1, group * q_len, -1)
     out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.view(batch, num_kv_heads, group, q_len, dim).permute(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, dim)

@@ -9,9 +9,9 @@ servelm's own for one row (``servelm.kernels``, where it is built), torch's
 of 16: that kernel crashes on other widths, which take the dense copy).
 Large batches are bound by compute, where that kernel is slow, so they run a
 GEMM in the model's dtype on the same weights dequantized once (prepacked
-for oneDNN in bfloat16, as ``packed.py`` does for unquantized models). Both paths compute with the
-quantized weights: the model is the same at every batch size, up to the
-activations' rounding.
+for oneDNN in bfloat16, as ``packed.py`` does for unquantized models). Both
+paths compute with the quantized weights: the model is the same at every
+batch size, up to the activations' rounding.
 
 The dense copy costs memory (in bfloat16 only its prepacked form is kept):
 this mode trades memory for latency at low concurrency; it is CPU-only (the
