@@ -209,6 +209,9 @@ class CpuKernels:
         self._gemv.argtypes, self._gemv.restype = [_P, _I, _P, _P, _I, _P, _T], None
         self._write_kv = lib.write_kv
         self._write_kv.argtypes, self._write_kv.restype = [_P, _P, _P, _P, _I, _P, _I, _I], None
+        self._prefill = lib.paged_prefill_bf16
+        self._prefill.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _F, _T]
+        self._prefill.restype = ctypes.c_int
         self._decode_one = lib.decode_one_bf16
         self._decode_one.argtypes, self._decode_one.restype = [ctypes.POINTER(_Decoder), _P, _I, _P, _T], None
 
@@ -245,6 +248,43 @@ class CpuKernels:
             batch, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def prefill_attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> bool:
+        """Causal attention of prefilling sequences over the cache, into ``out``; False where the kernel does
+        not apply (not bfloat16, no AVX512-BF16, head dims not a multiple of 64): ``out`` is then untouched.
+
+        ``query`` ``[T, H, D]`` holds the sequences' new tokens one after the other (each token's heads
+        contiguous; the token axis may be strided); their K/V are already in ``kv_cache``. ``seq_lens``
+        ``[3, S]`` int64: each sequence's first row in ``query``, its new tokens, and its context (cached
+        tokens + new); ``block_tables`` ``[S, max_blocks]``. ``out`` contiguous, ``[T', H, D]`` with
+        ``T' >= T``: the sequences' rows are written, any after them left alone.
+        """
+        num_heads, head_dim = query.shape[1:]
+        _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
+        if query.dtype != torch.bfloat16 or cache_dim != head_dim or num_heads % num_kv_heads:
+            return False
+        if not kv_cache.is_contiguous() or not out.is_contiguous() or out.shape[0] < query.shape[0] or out.shape[1:] != query.shape[1:]:
+            raise ValueError("prefill attention: the cache and out must be contiguous, out as long as the query")
+        if seq_lens.dtype != torch.int64 or seq_lens.shape != (3, block_tables.shape[0]):
+            raise ValueError("prefill attention: seq_lens must be int64 [3, sequences]")
+        if query.stride(2) != 1 or query.stride(1) != head_dim:
+            query = query.contiguous()
+        block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+        starts, q_lens, ctx_lens = seq_lens
+        return bool(self._prefill(
+            query.data_ptr(), query.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], starts.data_ptr(), q_lens.data_ptr(),
+            ctx_lens.data_ptr(), block_tables.shape[0], out.data_ptr(), num_heads, num_kv_heads, head_dim,
+            block_size, scale, torch.get_num_threads(),
+        ))  # fmt: skip
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """``kv_cache[0]``'s and ``kv_cache[1]``'s flat slot ``slots[t]`` = token t's ``key`` and ``value``
@@ -453,6 +493,7 @@ def _self_check(kernels: CpuKernels) -> None:
     weight, bias = (qweight.double() * scales.double()[:, None]).to(torch.bfloat16), res[0, :12].to(torch.bfloat16)
     gemv_expected = row.double() @ weight.double().T + bias.double()
     checks["gemv"] = (lambda dt: kernels.gemv(row, weight, bias), gemv_expected)
+    _check_prefill(kernels, gen)
     for name, (run, expected) in checks.items():
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
             if name in ("int8_linear", "gemv"):
@@ -462,6 +503,21 @@ def _self_check(kernels: CpuKernels) -> None:
                 raise RuntimeError(f"{name} in {dtype} differs from PyTorch's in shape: {tuple(got.shape)}")
             if not torch.allclose(got, expected.double(), atol=tol, rtol=tol):
                 raise RuntimeError(f"{name} in {dtype} differs from PyTorch's by {(got - expected).abs().max():.3g}")
+
+
+def _check_prefill(kernels: CpuKernels, gen: torch.Generator) -> None:
+    """The prefill kernel where it applies (bfloat16, 64-dim heads): token i of a sequence's new tokens attends
+    like a decoding token at position ``context - new + i``."""
+    cache = torch.randn(2, 6, 4, 2, 64, generator=gen).to(torch.bfloat16)
+    tables = torch.tensor([[5, 1, 3], [0, 2, 4]])
+    seq_lens = torch.tensor([[0, 5], [5, 2], [11, 3]])  # first rows, new tokens, contexts: 5 of 11, 2 of 3
+    query = torch.randn(7, 6, 64, generator=gen).to(torch.bfloat16)
+    out = query.new_zeros(query.shape)
+    if not kernels.prefill_attention(query, cache, tables, seq_lens, 0.125, out):
+        return
+    expected = reference_decode_attention(query, cache, tables[[0] * 5 + [1] * 2], torch.tensor([7, 8, 9, 10, 11, 2, 3]), 0.125)
+    if not torch.allclose(out.double(), expected, atol=3e-2, rtol=3e-2):
+        raise RuntimeError(f"prefill_attention in torch.bfloat16 differs from PyTorch's by {(out.double() - expected).abs().max():.3g}")
 
 
 def _written(kernels: CpuKernels, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

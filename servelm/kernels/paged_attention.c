@@ -60,9 +60,11 @@ static inline __m512 dot_bf16(const uint16_t *a, const uint16_t *b, int64_t D) {
     return s;
 }
 
-/* acc (ROWS query heads x 64 dims, in registers) = sum over t of p[r][t] * v_t, for the 64 dims at v_rows[t]. */
-static inline __attribute__((always_inline)) void weighted_rows(const float *p, int64_t len, const uint16_t **v_rows,
-                                                               int ROWS, uint16_t *out, int64_t out_stride) {
+/* acc (ROWS query heads x 64 dims, in registers) = sum over t < len of p[r * p_stride + t] * v_t, for the 64
+ * dims at v_rows[t]; row r is stored at out + r * out_stride. */
+static inline __attribute__((always_inline)) void weighted_rows(const float *p, int64_t len, int64_t p_stride,
+                                                               const uint16_t **v_rows, int ROWS, uint16_t *out,
+                                                               int64_t out_stride) {
     __m512 acc[4][4];
     for (int r = 0; r < ROWS; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
@@ -70,13 +72,24 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *p, 
         __m512 v[4];
         for (int i = 0; i < 4; i++) v[i] = widen16(v_rows[t] + 16 * i);
         for (int r = 0; r < ROWS; r++) {
-            const __m512 w = _mm512_set1_ps(p[r * len + t]);
+            const __m512 w = _mm512_set1_ps(p[r * p_stride + t]);
             for (int i = 0; i < 4; i++) acc[r][i] = _mm512_fmadd_ps(w, v[i], acc[r][i]);
         }
     }
     for (int r = 0; r < ROWS; r++)
         for (int i = 0; i < 4; i++)
             _mm256_storeu_si256((__m256i *)(out + r * out_stride + 16 * i), (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
+}
+
+/* weighted_rows for a run-time count of rows (1..4): query heads of one token, D apart. */
+static void weighted_heads(const float *p, int64_t len, int64_t p_stride, const uint16_t **v_rows, int64_t rows,
+                           uint16_t *out, int64_t D) {
+    switch (rows) {
+        case 1: weighted_rows(p, len, p_stride, v_rows, 1, out, D); break;
+        case 2: weighted_rows(p, len, p_stride, v_rows, 2, out, D); break;
+        case 3: weighted_rows(p, len, p_stride, v_rows, 3, out, D); break;
+        default: weighted_rows(p, len, p_stride, v_rows, 4, out, D); break;
+    }
 }
 
 /* scores[r * len + t] = scale * (q_r . k_t) for the item's rows r (query
@@ -128,12 +141,7 @@ static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const
             for (int64_t r0 = 0; r0 < G; r0 += 4) { /* up to 4 query heads x 64 dims: 16 accumulators */
                 const float *pr = p + (h * G + r0) * len;
                 uint16_t *o = out + (h * G + r0) * D + d0;
-                switch (G - r0 < 4 ? G - r0 : 4) {
-                    case 1: weighted_rows(pr, len, v_rows, 1, o, D); break;
-                    case 2: weighted_rows(pr, len, v_rows, 2, o, D); break;
-                    case 3: weighted_rows(pr, len, v_rows, 3, o, D); break;
-                    default: weighted_rows(pr, len, v_rows, 4, o, D); break;
-                }
+                weighted_heads(pr, len, len, v_rows, G - r0 < 4 ? G - r0 : 4, o, D);
             }
         }
     free(v_rows);
@@ -230,3 +238,140 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
 
 DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16, scores_bf16, values_bf16)
 DEFINE_DECODE(paged_decode_f32, float, f32_identity, f32_identity, scores_none, values_none)
+
+/* Prefill attention over the paged KV cache, bfloat16, for AVX512-BF16 CPUs.
+ *
+ * Each prefilling sequence s has q_lens[s] new tokens (rows q_starts[s] ..
+ * of q and out) at the end of a context of ctx_lens[s] tokens whose K/V are
+ * all in the cache already (this step's included); token i of them sees keys
+ * 0 .. ctx - q_len + i. PyTorch's CPU path gathers the keys, builds a mask
+ * and calls SDPA per sequence, whose per-call and per-head costs dominate
+ * prompts of a few hundred tokens; here one call covers every sequence.
+ *
+ * First each (sequence, KV head)'s keys are transposed, sixteen at a time,
+ * to the layout vdpbf16ps multiplies against a broadcast pair of query dims:
+ * kt[(c * D / 2 + p) * 16 + j] = dims 2p, 2p+1 of key 16c + j. Then a work
+ * item is a tile of PREFILL_TOKENS tokens x one KV head's query heads: its
+ * scores are summed PREFILL_ROWS query rows at a time against each chunk of
+ * 16 keys (one load of the keys serves them all), then softmaxed in float32
+ * per row over the keys the row sees, then each token's heads sum the V
+ * rows as the decode kernel does. Returns 0 where it does not apply (the
+ * caller then runs PyTorch's path): no AVX512-BF16, or D not a multiple of 64. */
+#ifdef ATTENTION_AVX512BF16
+#define PREFILL_ROWS 8 /* query rows whose scores stay in registers over a chunk */
+
+static inline __attribute__((always_inline)) void chunk_scores(const uint32_t *kt, const uint32_t *const *q, int ROWS,
+                                                              int64_t pairs, float scale, float *scores,
+                                                              int64_t stride) {
+    __m512 acc[PREFILL_ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + p * 16);
+        for (int r = 0; r < ROWS; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], k, (__m512bh)_mm512_set1_epi32((int)q[r][p]));
+    }
+    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(scores + r * stride, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+}
+
+/* scores[r * stride + 16 * c + j] = scale * q_r . key 16c + j, for rows (1..PREFILL_ROWS) query rows. */
+static void rows_scores(const uint32_t *kt, const uint32_t *const *q, int64_t rows, int64_t pairs, float scale,
+                        float *scores, int64_t stride) {
+    switch (rows) {
+#define ROWS_CASE(n) case n: chunk_scores(kt, q, n, pairs, scale, scores, stride); break;
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
+        default: chunk_scores(kt, q, PREFILL_ROWS, pairs, scale, scores, stride); break;
+#undef ROWS_CASE
+    }
+}
+
+static inline int64_t cache_slot(const int64_t *table, int64_t t, int64_t block_size) {
+    return table[t / block_size] * block_size + t % block_size;
+}
+
+int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int64_t *tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
+                       const int64_t *ctx_lens, int64_t S, uint16_t *out, int64_t H, int64_t KVH, int64_t D,
+                       int64_t block_size, float scale, int nthreads) {
+    if (D % 64) return 0;
+    const int64_t G = H / KVH, pairs = D / 2;
+    const int64_t tokens = G >= 24 ? 1 : 24 / G; /* a tile's tokens: up to 24 query rows */
+    /* where each (sequence, KV head)'s transposed keys start, and each sequence's first work item */
+    int64_t *kt_at = malloc(sizeof(int64_t) * (size_t)(S + 1) * 2), *item_at = kt_at + S + 1;
+    kt_at[0] = item_at[0] = 0;
+    for (int64_t s = 0; s < S; s++) {
+        kt_at[s + 1] = kt_at[s] + (ctx_lens[s] + 15) / 16 * 16 * pairs * KVH;
+        item_at[s + 1] = item_at[s] + (q_lens[s] + tokens - 1) / tokens * KVH;
+    }
+    uint32_t *kt = malloc(sizeof(uint32_t) * (size_t)kt_at[S]);
+    _Pragma("omp parallel num_threads(nthreads)") {
+        _Pragma("omp for schedule(dynamic)")
+        for (int64_t sh = 0; sh < S * KVH; sh++) {
+            const int64_t s = sh / KVH, h = sh % KVH, ctx = ctx_lens[s], padded = (ctx + 15) / 16 * 16;
+            const int64_t *table = tables + s * max_blocks;
+            uint32_t *dst = kt + kt_at[s] + h * padded * pairs;
+            for (int64_t t = 0; t < padded; t++) {
+                uint32_t *col = dst + (t / 16) * pairs * 16 + t % 16;
+                if (t < ctx) { /* a stale slot past the context would bring its NaN into the chunk's sums */
+                    const uint32_t *key = (const uint32_t *)(k_cache + (cache_slot(table, t, block_size) * KVH + h) * D);
+                    for (int64_t p = 0; p < pairs; p++) col[p * 16] = key[p];
+                } else {
+                    for (int64_t p = 0; p < pairs; p++) col[p * 16] = 0;
+                }
+            }
+        }
+        _Pragma("omp for schedule(dynamic)")
+        for (int64_t item = 0; item < item_at[S]; item++) {
+            int64_t s = 0;
+            while (item_at[s + 1] <= item) s++;
+            const int64_t h = (item - item_at[s]) % KVH, tile = (item - item_at[s]) / KVH;
+            const int64_t ctx = ctx_lens[s], padded = (ctx + 15) / 16 * 16, first = tile * tokens;
+            const int64_t n = q_lens[s] - first < tokens ? q_lens[s] - first : tokens, rows = n * G;
+            const int64_t pos0 = ctx - q_lens[s] + first; /* the tile's first token's position */
+            const int64_t keys = pos0 + n, stride = (keys + 15) / 16 * 16;
+            const int64_t *table = tables + s * max_blocks;
+            const uint32_t *kts = kt + kt_at[s] + h * padded * pairs;
+            float *scores = malloc(sizeof(float) * (size_t)(rows * stride));
+            const uint32_t **qrows = malloc(sizeof(*qrows) * (size_t)rows);
+            const uint16_t **v_rows = malloc(sizeof(*v_rows) * (size_t)keys);
+            for (int64_t r = 0; r < rows; r++) /* row r: token r / G, head h * G + r % G */
+                qrows[r] = (const uint32_t *)(q + (q_starts[s] + first + r / G) * q_stride + (h * G + r % G) * D);
+            for (int64_t c = 0; c < stride / 16; c++)
+                for (int64_t r0 = 0; r0 < rows; r0 += PREFILL_ROWS)
+                    rows_scores(kts + c * pairs * 16, qrows + r0, rows - r0 < PREFILL_ROWS ? rows - r0 : PREFILL_ROWS,
+                                pairs, scale, scores + r0 * stride + c * 16, stride);
+            for (int64_t r = 0; r < rows; r++) {
+                float *sr = scores + r * stride, mx = sr[0], sum = 0.f;
+                const int64_t len = pos0 + r / G + 1;
+                for (int64_t t = 1; t < len; t++) mx = sr[t] > mx ? sr[t] : mx;
+                _Pragma("omp simd reduction(+:sum)")
+                for (int64_t t = 0; t < len; t++) { sr[t] = expf(sr[t] - mx); sum += sr[t]; }
+                const float inv = 1.f / sum;
+                _Pragma("omp simd")
+                for (int64_t t = 0; t < len; t++) sr[t] *= inv;
+            }
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                for (int64_t t = 0; t < keys; t++)
+                    v_rows[t] = v_cache + (cache_slot(table, t, block_size) * KVH + h) * D + d0;
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t g0 = 0; g0 < G; g0 += 4)
+                        weighted_heads(scores + (i * G + g0) * stride, pos0 + i + 1, stride, v_rows,
+                                       G - g0 < 4 ? G - g0 : 4,
+                                       out + ((q_starts[s] + first + i) * H + h * G + g0) * D + d0, D);
+            }
+            free(v_rows);
+            free(qrows);
+            free(scores);
+        }
+    }
+    free(kt);
+    free(kt_at);
+    return 1;
+}
+#else
+int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int64_t *tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
+                       const int64_t *ctx_lens, int64_t S, uint16_t *out, int64_t H, int64_t KVH, int64_t D,
+                       int64_t block_size, float scale, int nthreads) {
+    return 0;
+}
+#endif

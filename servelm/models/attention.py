@@ -35,6 +35,16 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [num_decodes] int64 on the device
     # Each prefix-cached prefill's attention mask, built by the first layer and reused by the rest:
     prefix_masks: dict[tuple[int, int, int, int], torch.Tensor] = field(default_factory=dict)
+    # The prefills' first token rows, query lengths and context lengths for the native prefill kernel, likewise:
+    prefill_lens: torch.Tensor | None = None  # [3, num_prefills] int64 on the CPU
+
+    def prefill_seq_lens(self) -> torch.Tensor:
+        """``prefill_lens``, built on first use."""
+        if self.prefill_lens is None:
+            query_lens = self.query_lens[: self.num_prefills]
+            starts = [sum(query_lens[:i]) for i in range(self.num_prefills)]
+            self.prefill_lens = torch.tensor([starts, query_lens, self.context_lens[: self.num_prefills]])
+        return self.prefill_lens
 
 
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -84,7 +94,21 @@ def paged_attention(
     write_kv_cache(kv_cache, key, value, meta.slot_mapping)
     if meta.num_prefills == 0:
         return _decode_attention(query, kv_cache, meta, scale)
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    prefill_tokens = meta.num_prefill_tokens
+    native = kernels.for_tensors(query, kv_cache)
+    tables = meta.block_tables[: meta.num_prefills]
+    lens = meta.prefill_seq_lens() if native else None
+    if not (native and native.prefill_attention(query[:prefill_tokens], kv_cache, tables, lens, scale, out)):
+        _prefill_attention(query, key, value, kv_cache, meta, scale, out)
+    if prefill_tokens < query.shape[0]:
+        out[prefill_tokens:] = _decode_attention(query[prefill_tokens:], kv_cache, meta, scale)
+    return out
+
+
+def _prefill_attention(query, key, value, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """PyTorch's path for the prefills' rows of ``out``: SDPA per sequence, over the fresh K/V or the gathered
+    cache."""
     start = 0
     for i in range(meta.num_prefills):
         query_len, context_len = meta.query_lens[i], meta.context_lens[i]
@@ -107,9 +131,6 @@ def paged_attention(
             mask = meta.prefix_masks[shape]
             out[start:end] = _grouped_attention(query[None, start:end], keys, values, mask, scale)[0]
         start = end
-    if meta.num_prefill_tokens < query.shape[0]:
-        out[meta.num_prefill_tokens :] = _decode_attention(query[meta.num_prefill_tokens :], kv_cache, meta, scale)
-    return out
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

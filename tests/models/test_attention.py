@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from servelm import kernels
 from servelm.models.attention import AttentionMetadata, paged_attention
 
 # Every test runs with the native CPU decode kernel and with the PyTorch (gather + SDPA) path.
@@ -149,6 +150,54 @@ def test_long_decodes_at_model_shapes(dtype, num_heads, num_kv_heads, head_dim, 
     )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), case.expected, atol=tol, rtol=tol)
+
+
+def run_bf16(case: Case) -> torch.Tensor:
+    bf16 = torch.bfloat16
+    return paged_attention(
+        case.query.to(bf16), case.key.to(bf16), case.value.to(bf16), case.cache.to(bf16), case.meta, case.scale
+    )
+
+
+# Fresh prompts, a prompt behind a cached prefix (158 of 142 new, as a chat prompt after a cached system
+# prompt), a one-token chunk, and decodes after them.
+PREFILLS_AND_DECODES = ([(158, 142), (40, 40), (300, 1), (77, 77)], [20, 5])
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (14, 2, 64), (8, 8, 64), (16, 2, 32)])
+def test_bf16_prefills_at_model_shapes(num_heads, num_kv_heads, head_dim, block_size):
+    """bfloat16 is what the native prefill kernel takes (64-dim multiples; 32-dim heads stay on PyTorch)."""
+    case = make_case(*PREFILLS_AND_DECODES, num_heads, num_kv_heads, head_dim=head_dim, block_size=block_size, seed=11)
+    torch.testing.assert_close(run_bf16(case).float(), case.expected, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_prefill_ignores_stale_nan_past_the_context():
+    case = make_case([(158, 142), (21, 21)], [7], 9, 3, head_dim=64, block_size=16, seed=4)
+    flat = case.cache.view(2, -1, *case.cache.shape[-2:])
+    for i, ctx in enumerate(case.meta.context_lens):
+        table = case.meta.block_tables[i]
+        flat[:, [table[t // 16] * 16 + t % 16 for t in range(ctx, -(-ctx // 16) * 16)]] = float("nan")
+    out = run_bf16(case)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), case.expected, atol=2e-2, rtol=2e-2)
+
+
+def test_native_prefill_kernel_takes_bf16_where_the_cpu_has_avx512_bf16(cpu_ops, native_kernels, monkeypatch):
+    """Guards the tests above: on such a CPU they must exercise the kernel, not PyTorch's path (and with the
+    kernels off, nothing calls it)."""
+    taken = []
+    real = native_kernels.prefill_attention
+    monkeypatch.setattr(native_kernels, "prefill_attention", lambda *args: taken.append(real(*args)) or taken[-1])
+    case = make_case(*PREFILLS_AND_DECODES, 9, 3, head_dim=64, block_size=16, seed=11)
+    torch.testing.assert_close(run_bf16(case).float(), case.expected, atol=2e-2, rtol=2e-2)
+    if cpu_ops == "torch":
+        assert taken == []
+        return
+    assert taken == ["avx512_bf16" in kernels._cpu_flags()]
+    case = make_case(*PREFILLS_AND_DECODES, 9, 3, head_dim=64, block_size=16, seed=11)
+    case.run()  # float32: PyTorch's path
+    assert taken[-1] is False
 
 
 def test_swapped_block_tables_change_the_result():

@@ -95,6 +95,19 @@ def test_self_check_rejects_wrong_results(fresh, broken):
         kernels._self_check(Miscompiled(lib))
 
 
+@needs_compiler
+def test_self_check_rejects_a_wrong_prefill(fresh):
+    lib = ctypes.PyDLL(str(kernels._build("cc")))
+
+    class Miscompiled(kernels.CpuKernels):
+        def prefill_attention(self, query, kv_cache, block_tables, seq_lens, scale, out):
+            out.zero_()
+            return True
+
+    with pytest.raises(RuntimeError, match="prefill_attention in torch.bfloat16 differs"):
+        kernels._self_check(Miscompiled(lib))
+
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 
