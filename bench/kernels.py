@@ -2,7 +2,9 @@
 
 Part 1 times one layer's decode attention at the model's head shapes for a few
 batch sizes and context lengths: the native paged kernel against gather + SDPA,
-with each path's largest difference from a float64 reference. Part 2 runs the
+with each path's largest difference from a float64 reference; then one layer's
+prefill attention in bfloat16 (fresh prompts and prompts behind a cached
+prefix), the native kernel against SDPA per prompt. Part 2 runs the
 engine on the same requests with all kernels on and all off (decode attention
 and the fused norm, RoPE and SiLU ops; alternating, median of --repeats) and
 prints output tokens/s and the ratio, for the whole batch and for batch 1.
@@ -73,6 +75,48 @@ def part_layer(dtype: torch.dtype) -> None:
         print(f"{batch:6d}{context:9d}{pytorch:12.1f}{native:11.1f}{pytorch / native:7.2f}x{torch_err:13.2e}{native_err:12.2e}")
 
 
+def prefill_case(prompts, context, new, heads, kv_heads, head_dim, block_size=16, seed=0):
+    """A step of ``prompts`` bfloat16 prefills of ``new`` tokens each at the end of ``context``-token contexts
+    (the rest cached) over a shuffled paged cache; returns (run, float64 reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-context // block_size)
+    cache = torch.randn(2, prompts * blocks + 8, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(cache.shape[1], generator=gen)[: prompts * blocks].view(prompts, blocks)
+    query = torch.randn(prompts * new, heads, head_dim, generator=gen).to(torch.bfloat16)
+    new_kv = torch.randn(prompts * new, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    positions = range(context - new, context)
+    slots = torch.tensor([tables[i, t // block_size] * block_size + t % block_size for i in range(prompts) for t in positions])
+    meta = AttentionMetadata(slot_mapping=slots, query_lens=[new] * prompts, context_lens=[context] * prompts,
+                             block_tables=tables, num_prefills=prompts, num_prefill_tokens=prompts * new)
+    scale = head_dim**-0.5
+
+    def run():
+        meta.prefix_masks.clear()  # built once per step in the engine, so once per call here
+        return paged_attention(query, new_kv, new_kv, cache, meta, scale)
+
+    run()
+    # token t of a prefill attends as a decoding token at its position
+    token_tables = tables.repeat_interleave(new, 0)
+    lens = torch.tensor([t + 1 for _ in range(prompts) for t in positions])
+    return run, kernels.reference_decode_attention(query, cache, token_tables, lens, scale)
+
+
+def part_prefill() -> None:
+    print(f"\none layer's prefill attention, 9 heads / 3 KV heads x 64 (SmolLM2-135M), bfloat16, "
+          f"threads={torch.get_num_threads()}")
+    print(f"{'prompts':>8s}{'context':>9s}{'new':>6s}{'pytorch us':>12s}{'native us':>11s}{'ratio':>8s}"
+          f"{'err pytorch':>13s}{'err native':>12s}")
+    for prompts, context, new in [(1, 158, 158), (1, 158, 142), (12, 158, 142), (1, 1024, 1024), (1, 2048, 512)]:
+        run, ref = prefill_case(prompts, context, new, 9, 3, 64)
+        native_err = (run().double() - ref).abs().max().item()
+        native = _median_us(run, calls=10)
+        with PYTORCH_PATH:
+            torch_err = (run().double() - ref).abs().max().item()
+            pytorch = _median_us(run, calls=10)
+        print(f"{prompts:8d}{context:9d}{new:6d}{pytorch:12.1f}{native:11.1f}{pytorch / native:7.2f}x"
+              f"{torch_err:13.2e}{native_err:12.2e}")
+
+
 def part_engine(args) -> None:
     from servelm import LLM, SamplingParams
 
@@ -118,6 +162,7 @@ def main() -> None:
         raise SystemExit("the native kernels are not available here (see the warning above)")
     for dtype in (torch.bfloat16, torch.float32):
         part_layer(dtype)
+    part_prefill()
     if not args.skip_engine:
         part_engine(args)
 
