@@ -53,11 +53,29 @@ static inline __m512 lane_sums16(const __m512 v[16]) {
 }
 
 /* 16 lanes of a . b over D bfloat16 (D a multiple of 32), by vdpbf16ps: exact products, float32 sums. */
-static inline __m512 dot_bf16(const uint16_t *a, const uint16_t *b, int64_t D) {
+static inline __attribute__((always_inline)) __m512 dot_bf16(const uint16_t *a, const uint16_t *b, int64_t D) {
     __m512 s = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 32)
         s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(a + d), (__m512bh)_mm512_loadu_si512(b + d));
     return s;
+}
+
+/* rows[t] = base + (token t's cache slot) * row_elems for t < len, walking the table's blocks in order (a
+ * division per token cost as much as the arithmetic it fed). */
+static void row_pointers(const uint16_t *base, const int64_t *table, int64_t len, int64_t block_size,
+                         int64_t row_elems, const uint16_t **rows) {
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
+        const uint16_t *block = base + table[b] * block_size * row_elems;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t i = 0; i < n; i++) rows[t0 + i] = block + i * row_elems;
+    }
+}
+
+/* Each of rows[0..len)'s first `bytes` into L2: blocks are scattered, where the hardware prefetcher
+ * cannot run ahead. */
+static inline void prefetch_rows(const uint16_t **rows, int64_t len, int64_t bytes) {
+    for (int64_t t = 0; t < len; t++)
+        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)rows[t] + o, _MM_HINT_T1);
 }
 
 /* acc (ROWS query heads x 64 dims, in registers) = sum over t < len of p[r * p_stride + t] * v_t, for the 64
@@ -92,36 +110,37 @@ static void weighted_heads(const float *p, int64_t len, int64_t p_stride, const 
     }
 }
 
-/* scores[r * len + t] = scale * (q_r . k_t) for the item's rows r (query
- * heads, contiguous at q) against its KV heads from h0, sixteen keys at a time. */
+/* scores[r * len + t] = scale * (q_r . k_t) for rows query heads (contiguous at q) against the keys at
+ * keys[t] (the item's first KV head; query head r reads KV head r / G), sixteen keys at a time. D is a
+ * constant where this is inlined for 64-dim heads. */
+static inline __attribute__((always_inline)) void scores_rows(const uint16_t *q, int64_t rows, int64_t G, int64_t D,
+                                                             const uint16_t **keys, int64_t len, float scale,
+                                                             float *scores) {
+    int64_t t0 = 0;
+    for (; t0 + 16 <= len; t0 += 16)
+        for (int64_t r = 0; r < rows; r++) {
+            __m512 parts[16];
+            for (int j = 0; j < 16; j++) parts[j] = dot_bf16(q + r * D, keys[t0 + j] + (r / G) * D, D);
+            _mm512_storeu_ps(scores + r * len + t0, _mm512_mul_ps(lane_sums16(parts), _mm512_set1_ps(scale)));
+        }
+    for (; t0 < len; t0++)
+        for (int64_t r = 0; r < rows; r++)
+            scores[r * len + t0] = scale * _mm512_reduce_add_ps(dot_bf16(q + r * D, keys[t0] + (r / G) * D, D));
+}
+
+/* The item's scores: its query heads (contiguous at q) against its KV heads from h0. */
 static int scores_bf16(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
                        int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
                        float *scores) {
     if (D % 32) return 0;
-    const int64_t bytes = rows / G * D * (int64_t)sizeof(uint16_t); /* of the item's heads in a K row */
-    for (int64_t t = 0; t < len; t++) { /* all of them into L2 first: blocks are scattered */
-        const char *key = (const char *)(k_cache + ((table[t / block_size] * block_size + t % block_size) * KVH + h0) * D);
-        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(key + o, _MM_HINT_T1);
-    }
-    int64_t t0 = 0;
-    for (; t0 + 16 <= len; t0 += 16) {
-        const uint16_t *keys[16];
-        for (int j = 0; j < 16; j++) {
-            const int64_t t = t0 + j, slot = table[t / block_size] * block_size + t % block_size;
-            keys[j] = k_cache + (slot * KVH + h0) * D;
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            __m512 parts[16];
-            for (int j = 0; j < 16; j++) parts[j] = dot_bf16(q + r * D, keys[j] + (r / G) * D, D);
-            _mm512_storeu_ps(scores + r * len + t0, _mm512_mul_ps(lane_sums16(parts), _mm512_set1_ps(scale)));
-        }
-    }
-    for (; t0 < len; t0++) {
-        const int64_t slot = table[t0 / block_size] * block_size + t0 % block_size;
-        const uint16_t *key = k_cache + (slot * KVH + h0) * D;
-        for (int64_t r = 0; r < rows; r++)
-            scores[r * len + t0] = scale * _mm512_reduce_add_ps(dot_bf16(q + r * D, key + (r / G) * D, D));
-    }
+    const uint16_t **keys = malloc(sizeof(*keys) * (size_t)len);
+    row_pointers(k_cache + h0 * D, table, len, block_size, KVH * D, keys);
+    prefetch_rows(keys, len, rows / G * D * (int64_t)sizeof(uint16_t)); /* all of the item's heads, first */
+    if (D == 64)
+        scores_rows(q, rows, G, 64, keys, len, scale, scores);
+    else
+        scores_rows(q, rows, G, D, keys, len, scale, scores);
+    free(keys);
     return 1;
 }
 
@@ -133,11 +152,8 @@ static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const
     const uint16_t **v_rows = malloc(sizeof(*v_rows) * (size_t)len);
     for (int64_t h = 0; h < rows / G; h++)
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            for (int64_t t = 0; t < len; t++) {
-                v_rows[t] = v_cache + ((table[t / block_size] * block_size + t % block_size) * KVH + h0 + h) * D + d0;
-                _mm_prefetch((const char *)v_rows[t], _MM_HINT_T1);
-                _mm_prefetch((const char *)(v_rows[t] + 32), _MM_HINT_T1);
-            }
+            row_pointers(v_cache + (h0 + h) * D + d0, table, len, block_size, KVH * D, v_rows);
+            prefetch_rows(v_rows, len, 64 * (int64_t)sizeof(uint16_t));
             for (int64_t r0 = 0; r0 < G; r0 += 4) { /* up to 4 query heads x 64 dims: 16 accumulators */
                 const float *pr = p + (h * G + r0) * len;
                 uint16_t *o = out + (h * G + r0) * D + d0;
