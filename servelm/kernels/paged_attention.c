@@ -300,10 +300,6 @@ static void rows_scores(const uint32_t *kt, const uint32_t *const *q, int64_t ro
     }
 }
 
-static inline int64_t cache_slot(const int64_t *table, int64_t t, int64_t block_size) {
-    return table[t / block_size] * block_size + t % block_size;
-}
-
 int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int64_t *tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
                        const int64_t *ctx_lens, int64_t S, uint16_t *out, int64_t H, int64_t KVH, int64_t D,
@@ -323,17 +319,19 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
         _Pragma("omp for schedule(dynamic)")
         for (int64_t sh = 0; sh < S * KVH; sh++) {
             const int64_t s = sh / KVH, h = sh % KVH, ctx = ctx_lens[s], padded = (ctx + 15) / 16 * 16;
-            const int64_t *table = tables + s * max_blocks;
             uint32_t *dst = kt + kt_at[s] + h * padded * pairs;
+            const uint16_t **keys = malloc(sizeof(*keys) * (size_t)ctx);
+            row_pointers(k_cache + h * D, tables + s * max_blocks, ctx, block_size, KVH * D, keys);
             for (int64_t t = 0; t < padded; t++) {
                 uint32_t *col = dst + (t / 16) * pairs * 16 + t % 16;
                 if (t < ctx) { /* a stale slot past the context would bring its NaN into the chunk's sums */
-                    const uint32_t *key = (const uint32_t *)(k_cache + (cache_slot(table, t, block_size) * KVH + h) * D);
+                    const uint32_t *key = (const uint32_t *)keys[t];
                     for (int64_t p = 0; p < pairs; p++) col[p * 16] = key[p];
                 } else {
                     for (int64_t p = 0; p < pairs; p++) col[p * 16] = 0;
                 }
             }
+            free(keys);
         }
         _Pragma("omp for schedule(dynamic)")
         for (int64_t item = 0; item < item_at[S]; item++) {
@@ -344,7 +342,6 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
             const int64_t n = q_lens[s] - first < tokens ? q_lens[s] - first : tokens, rows = n * G;
             const int64_t pos0 = ctx - q_lens[s] + first; /* the tile's first token's position */
             const int64_t keys = pos0 + n, stride = (keys + 15) / 16 * 16;
-            const int64_t *table = tables + s * max_blocks;
             const uint32_t *kts = kt + kt_at[s] + h * padded * pairs;
             float *scores = malloc(sizeof(float) * (size_t)(rows * stride));
             const uint32_t **qrows = malloc(sizeof(*qrows) * (size_t)rows);
@@ -366,8 +363,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                 for (int64_t t = 0; t < len; t++) sr[t] *= inv;
             }
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                for (int64_t t = 0; t < keys; t++)
-                    v_rows[t] = v_cache + (cache_slot(table, t, block_size) * KVH + h) * D + d0;
+                row_pointers(v_cache + h * D + d0, tables + s * max_blocks, keys, block_size, KVH * D, v_rows);
                 for (int64_t i = 0; i < n; i++)
                     for (int64_t g0 = 0; g0 < G; g0 += 4)
                         weighted_heads(scores + (i * G + g0) * stride, pos0 + i + 1, stride, v_rows,
