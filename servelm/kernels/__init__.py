@@ -5,6 +5,10 @@
   values into a dense copy and calls SDPA, whose CPU kernel spends most of its
   time on per-head overhead when each sequence has one query token. This one
   reads the cache blocks in place (2-4x faster per layer, bench/kernels.py).
+  Beside it, prefill attention (bfloat16 on AVX512-BF16 CPUs): every
+  prefilling sequence of a step in one call, causal over its cached prefix and
+  its new tokens, where PyTorch gathers and calls SDPA per sequence (~3-4x
+  faster per layer for prompts of a few hundred tokens).
 - ``fused_ops.c``: the decoder's elementwise chains (residual add + RMSNorm,
   RoPE on q and k, SiLU * up), one call each instead of up to 20 small
   PyTorch ops, whose per-op overhead dominates a small batch; and the copy of

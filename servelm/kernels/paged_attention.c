@@ -1,9 +1,11 @@
-/* Decode attention over the paged KV cache, for CPUs.
+/* Attention over the paged KV cache, for CPUs.
  *
- * One query token per sequence reads its keys and values straight from the
- * cache blocks its block table names: no gathered copy, one pass over K and
- * one over V, float32 arithmetic (on AVX512-BF16 CPUs, bfloat16 products of
- * q and k summed in float32). Built at first use by servelm/kernels.
+ * Decode: one query token per sequence reads its keys and values straight
+ * from the cache blocks its block table names: no gathered copy, one pass
+ * over K and one over V, float32 arithmetic (on AVX512-BF16 CPUs, bfloat16
+ * products of q and k summed in float32). Prefill (bfloat16 on AVX512-BF16
+ * CPUs only, at the end of this file): tiles of query tokens against their
+ * sequence's keys, causally. Built at first use by servelm/kernels.
  */
 #include <stdint.h>
 #include <stdlib.h>
