@@ -213,6 +213,11 @@ class CpuKernels:
         self._gemv.argtypes, self._gemv.restype = [_P, _I, _P, _P, _I, _P, _T], None
         self._write_kv = lib.write_kv
         self._write_kv.argtypes, self._write_kv.restype = [_P, _P, _P, _P, _I, _P, _I, _I], None
+        self._pairs_supported = bool(lib.bf16_pairs_supported())
+        self._pack_pairs = lib.bf16_pack_pairs
+        self._pack_pairs.argtypes, self._pack_pairs.restype = [_P, _I, _I, _P, _T], None
+        self._gemm_pairs = lib.bf16_gemm_pairs
+        self._gemm_pairs.argtypes, self._gemm_pairs.restype = [_P, _I, _I, _P, _P, _I, _P, _T], None
         self._prefill = lib.paged_prefill_bf16
         self._prefill.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _F, _T]
         self._prefill.restype = ctypes.c_int
@@ -387,6 +392,33 @@ class CpuKernels:
         )  # fmt: skip
         return out
 
+    def pack_pairs(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A bfloat16 ``weight`` ``[N, K]`` in ``gemm_pairs``'s layout (a flat copy), or None where that kernel
+        does not run: no AVX512-BF16, or N not a multiple of 32, or K odd."""
+        out_features, in_features = weight.shape
+        if not self._pairs_supported or weight.dtype != torch.bfloat16 or out_features % 32 or in_features % 2:
+            return None
+        weight = weight.contiguous()
+        pairs = weight.new_empty(weight.numel())
+        self._pack_pairs(weight.data_ptr(), out_features, in_features, pairs.data_ptr(), torch.get_num_threads())
+        return pairs
+
+    def gemm_pairs(self, x: torch.Tensor, pairs: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b`` for a few bfloat16 rows ``x`` ``[M, K]``, with W ``[out_features, K]`` as
+        ``pack_pairs`` made it and ``bias`` ``[out_features]`` bfloat16; float32 sums rounded once. ``[M, N]``."""
+        rows, in_features = x.shape
+        if x.dtype != torch.bfloat16 or pairs.dtype != torch.bfloat16 or pairs.numel() != out_features * in_features:
+            raise ValueError("gemm_pairs: x and the packed weight must be bfloat16 and of agreeing shapes")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)):
+            raise ValueError("gemm_pairs: bias must be bfloat16 [out_features]")
+        x = x.contiguous()
+        out = x.new_empty((rows, out_features))
+        self._gemm_pairs(
+            x.data_ptr(), rows, in_features, pairs.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+            out_features, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
     def one_token_decoder(
         self,
         layers: list[DecoderLayerWeights],
@@ -497,10 +529,16 @@ def _self_check(kernels: CpuKernels) -> None:
     weight, bias = (qweight.double() * scales.double()[:, None]).to(torch.bfloat16), res[0, :12].to(torch.bfloat16)
     gemv_expected = row.double() @ weight.double().T + bias.double()
     checks["gemv"] = (lambda dt: kernels.gemv(row, weight, bias), gemv_expected)
+    wide = torch.cat([weight, weight.flip(0), weight[:8]])  # 32 outputs: one block pair of the pair layout
+    pairs = kernels.pack_pairs(wide)
+    if pairs is not None:
+        rows, wide_bias = x.to(torch.bfloat16), torch.cat([bias, bias, bias[:8]])
+        pairs_expected = rows.double() @ wide.double().T + wide_bias.double()
+        checks["gemm_pairs"] = (lambda dt: kernels.gemm_pairs(rows, pairs, 32, wide_bias), pairs_expected)
     _check_prefill(kernels, gen)
     for name, (run, expected) in checks.items():
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-            if name in ("int8_linear", "gemv"):
+            if name in ("int8_linear", "gemv", "gemm_pairs"):
                 tol = 1e-2  # bfloat16 in and out whatever the model's dtype
             got = run(dtype).double()
             if got.shape != expected.shape:

@@ -146,3 +146,94 @@ void int8_linear_bf16(const uint16_t *x, int64_t K, const int8_t *w, const uint1
     GEMV_ROWS(int8_t, int8_to_f32, acc * bf16_to_f32(scales[n]))
 #endif
 }
+
+/* Products of a few rows, for decoding steps of a handful to a few dozen
+ * sequences: out = x W^T (+ bias) for x [M, K], with W in the pair layout
+ * below. oneDNN's prepacked GEMM runs at about half its large-M rate here
+ * (bench/gemm.py); this kernel keeps a tile of up to PAIR_ROWS rows x 32
+ * outputs in registers, multiplies each 64-byte vector of weights (16
+ * outputs x one pair of K) by the tile's rows' pair of x broadcast
+ * (vdpbf16ps), and asks for the next 32 outputs' weights while it sums the
+ * first tile. AVX512-BF16 CPUs only; elsewhere bf16_pairs_supported() is 0
+ * and callers keep oneDNN.
+ *
+ * The pair layout of W [N, K] (N a multiple of 32, K even): element (n, k)
+ * at ((n / 16) * (K / 2) + k / 2) * 32 + (n % 16) * 2 + k % 2, so that the
+ * 16 outputs of a block and one pair of K are one vector. */
+int bf16_pairs_supported(void) {
+#if defined(GEMV_AVX512) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void bf16_pack_pairs(const uint16_t *w, int64_t N, int64_t K, uint16_t *pairs, int nthreads) {
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")
+    for (int64_t block = 0; block < N / 16; block++)
+        for (int64_t p = 0; p < K / 2; p++)
+            for (int64_t j = 0; j < 16; j++) {
+                const uint16_t *src = w + (block * 16 + j) * K + 2 * p;
+                uint16_t *dst = pairs + ((block * (K / 2) + p) * 16 + j) * 2;
+                dst[0] = src[0];
+                dst[1] = src[1];
+            }
+}
+
+#if defined(GEMV_AVX512) && defined(__AVX512BF16__)
+#define PAIR_ROWS 12 /* 12 rows x 2 vectors of accumulators, 2 of weights: 26 of the 32 registers */
+
+static inline __attribute__((always_inline)) void pair_tile(const uint16_t *x, int64_t K, const uint16_t *w0,
+                                                           const uint16_t *w1, int ROWS, const uint16_t *bias,
+                                                           uint16_t *out, int64_t N, const char *next,
+                                                           int64_t next_bytes) {
+    __m512 acc0[PAIR_ROWS], acc1[PAIR_ROWS];
+    for (int m = 0; m < ROWS; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K / 2; p++) {
+        if (next && p * 128 < next_bytes) { /* two lines per pair: the next tile's weights are in by its start */
+            _mm_prefetch(next + p * 128, _MM_HINT_T1);
+            _mm_prefetch(next + p * 128 + 64, _MM_HINT_T1);
+        }
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + p * 32), v1 = (__m512bh)_mm512_loadu_si512(w1 + p * 32);
+        for (int m = 0; m < ROWS; m++) {
+            int32_t pair;
+            memcpy(&pair, x + m * K + 2 * p, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            acc0[m] = _mm512_dpbf16_ps(acc0[m], v0, xv);
+            acc1[m] = _mm512_dpbf16_ps(acc1[m], v1, xv);
+        }
+    }
+    const __m512 b0 = bias ? widen16(bias) : _mm512_setzero_ps(), b1 = bias ? widen16(bias + 16) : _mm512_setzero_ps();
+    for (int m = 0; m < ROWS; m++) {
+        _mm256_storeu_si256((__m256i *)(out + m * N), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc0[m], b0)));
+        _mm256_storeu_si256((__m256i *)(out + m * N + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc1[m], b1)));
+    }
+}
+#endif
+
+/* x: [M, K] bfloat16, pairs: W [N, K] in the pair layout, bias: [N] or NULL; out: [M, N]. */
+void bf16_gemm_pairs(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pairs, const uint16_t *bias,
+                     int64_t N, uint16_t *out, int nthreads) {
+#if defined(GEMV_AVX512) && defined(__AVX512BF16__)
+    const int64_t block = 16 * K; /* elements of 16 outputs' weights */
+    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")
+    for (int64_t n32 = 0; n32 < N / 32; n32++) {
+        const uint16_t *w0 = pairs + 2 * n32 * block, *w1 = w0 + block;
+        const char *next = n32 + 1 < N / 32 ? (const char *)(w0 + 2 * block) : NULL;
+        const uint16_t *b = bias ? bias + 32 * n32 : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += PAIR_ROWS) {
+            const int64_t rows = M - m0 < PAIR_ROWS ? M - m0 : PAIR_ROWS;
+            const char *pf = m0 == 0 ? next : NULL; /* during the first tile */
+            const int64_t pf_bytes = 2 * block * (int64_t)sizeof(uint16_t);
+            uint16_t *o = out + m0 * N + 32 * n32;
+            switch (rows) {
+#define PAIR_CASE(n) case n: pair_tile(x + m0 * K, K, w0, w1, n, b, o, N, pf, pf_bytes); break;
+                PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4) PAIR_CASE(5) PAIR_CASE(6)
+                PAIR_CASE(7) PAIR_CASE(8) PAIR_CASE(9) PAIR_CASE(10) PAIR_CASE(11)
+                default: pair_tile(x + m0 * K, K, w0, w1, PAIR_ROWS, b, o, N, pf, pf_bytes); break;
+#undef PAIR_CASE
+            }
+        }
+    }
+#endif
+}

@@ -12,7 +12,10 @@ One row (batch-1 decoding) is the exception: oneDNN's packed GEMV reads the
 weights at 15-20 GB/s there, servelm's own matrix-vector kernel
 (``servelm.kernels``) at about 35 GB/s (``bench/gemm.py``). It needs the plain weight, so a layer
 can keep that too (``keep_plain``), at the cost of a second copy of the
-weights; the model runner asks for it when the copy fits in memory.
+weights; the model runner asks for it when the copy fits in memory. A few
+rows (decoding up to ``PAIR_MAX_ROWS`` sequences) go, on AVX512-BF16 CPUs, to
+servelm's small-GEMM kernel over a third copy in its own layout
+(``keep_pairs``), 1.15-1.35x faster than oneDNN there (``bench/gemm.py``).
 """
 
 from __future__ import annotations
@@ -33,16 +36,25 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
+PAIR_MAX_ROWS = 64  # the most rows the small-GEMM kernel takes; oneDNN's packed GEMM catches up beyond
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` through oneDNN with ``W`` prepacked; with ``keep_plain``, one row goes to
-    servelm's matrix-vector kernel over the plain ``W`` where that kernel is built."""
+    servelm's matrix-vector kernel over the plain ``W`` where that kernel is built; with ``keep_pairs``,
+    2 to ``PAIR_MAX_ROWS`` rows go to its small-GEMM kernel where that runs (``pair_weight`` is None
+    elsewhere)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = False):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = False, keep_pairs: bool = False
+    ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
         self.bias = None if bias is None else bias.detach().clone()
         self.plain_weight = weight.detach().contiguous() if keep_plain else None
+        native = kernels.for_tensors(weight) if keep_pairs else None
+        self.pair_weight = native.pack_pairs(weight.detach()) if native else None
 
     def one_row_weights(self) -> kernels.LinearWeights | None:
         """What servelm's one-token decoder reads of this layer: the plain weight, where kept."""
@@ -52,10 +64,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        one_row = self.plain_weight is not None and flat.shape[0] == 1
-        native = kernels.for_tensors(flat, self.plain_weight) if one_row else None
-        if native:
+        rows = flat.shape[0]
+        if rows == 1 and self.plain_weight is not None and (native := kernels.for_tensors(flat, self.plain_weight)):
             out = native.gemv(flat, self.plain_weight, self.bias)
+        elif 1 < rows <= PAIR_MAX_ROWS and self.pair_weight is not None and (native := kernels.for_tensors(flat)):
+            out = native.gemm_pairs(flat, self.pair_weight, self.out_features, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -82,10 +82,14 @@ def test_failed_build_means_the_pytorch_path(fresh, monkeypatch, tmp_path, caplo
 
 
 @needs_compiler
-@pytest.mark.parametrize("broken", ["decode_attention", "rms_norm", "silu_mul", "write_kv", "int8_linear", "gemv"])
+@pytest.mark.parametrize(
+    "broken", ["decode_attention", "rms_norm", "silu_mul", "write_kv", "int8_linear", "gemv", "gemm_pairs"]
+)
 def test_self_check_rejects_wrong_results(fresh, broken):
     lib = ctypes.PyDLL(str(kernels._build("cc")))
     kernels._self_check(kernels.CpuKernels(lib))  # the real build passes
+    if broken == "gemm_pairs" and not lib.bf16_pairs_supported():
+        pytest.skip("the small-GEMM kernel is built for AVX512-BF16 CPUs only; the self-check has nothing to run")
 
     class Miscompiled(kernels.CpuKernels):
         pass
@@ -264,6 +268,12 @@ def test_rejects_inputs_it_cannot_read(native):
         native.rope_(x, 2, 8, torch.zeros(10, 8), torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="even"):
         native.silu_mul(torch.zeros(2, 7))
+    pairs = torch.zeros(32 * 16, dtype=torch.bfloat16)  # a [32, 16] weight in the pair layout
+    with pytest.raises(ValueError, match="agreeing shapes"):
+        native.gemm_pairs(torch.zeros(2, 8, dtype=torch.bfloat16), pairs, 32)
+    with pytest.raises(ValueError, match="bias"):
+        native.gemm_pairs(torch.zeros(2, 16, dtype=torch.bfloat16), pairs, 32, torch.zeros(16, dtype=torch.bfloat16))
+    assert native.pack_pairs(torch.zeros(32, 16)) is None  # float32: no pair layout
     qweight, scales = torch.zeros(3, 16, dtype=torch.int8), torch.ones(3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one bfloat16 row"):
         native.int8_linear(x.bfloat16(), qweight, scales)  # four rows

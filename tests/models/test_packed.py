@@ -31,15 +31,50 @@ def test_packed_layer_computes_the_plain_linear(rows, with_bias, keep_plain):
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
+def has_avx512_bf16() -> bool:
+    return "avx512_bf16" in kernels._cpu_flags()
+
+
+@pytest.mark.parametrize("rows", [2, 12, 13, 32, 64, 65])  # tiles of 12 rows, a partial one; 65: oneDNN again
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.usefixtures("cpu_ops")
+def test_a_few_rows_go_to_the_small_gemm_over_the_pair_layout(rows, with_bias):
+    torch.manual_seed(rows)
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    bias = torch.randn(96).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    layer = PackedLinear(weight, bias, keep_pairs=True)
+    # On an AVX512-BF16 CPU with the kernels built the layer must hold the pair layout, so this tests the kernel.
+    assert (layer.pair_weight is not None) == (kernels.cpu_kernels() is not None and has_avx512_bf16())
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", [(80, 64), (96, 63)])  # 80 outputs: not whole blocks of 32; odd K
+def test_shapes_the_small_gemm_cannot_take_stay_on_onednn(native_kernels, shape):
+    weight = torch.randn(*shape).to(torch.bfloat16)
+    layer = PackedLinear(weight, keep_pairs=True)
+    assert layer.pair_weight is None
+    x = torch.randn(8, shape[1]).to(torch.bfloat16)
+    expected = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
 @pytest.mark.model
-def test_plain_weights_are_dropped_where_they_do_not_fit(monkeypatch):
+@pytest.mark.parametrize("free_mib,plain,pairs", [(256, False, False), (1200, True, False)])
+def test_extra_weight_copies_are_dropped_where_they_do_not_fit(monkeypatch, free_mib, plain, pairs):
+    """A quarter of the free memory is the budget: 64 MiB holds neither copy (212 MB plain), 300 MiB the plain
+    one but not the pair layout besides (269 MB more with the tied head's)."""
     from servelm import LLM
     from servelm.engine import model_runner
 
-    monkeypatch.setattr(model_runner, "_free_memory_bytes", lambda device: 256 << 20)  # 64 MiB for the copy
+    monkeypatch.setattr(model_runner, "_free_memory_bytes", lambda device: free_mib << 20)
     model = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20).engine.runner.model
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert len(packed) == 30 * 4 + 1 and all(m.plain_weight is None for m in packed)
+    assert len(packed) == 30 * 4 + 1
+    assert all((m.plain_weight is not None) == plain and (m.pair_weight is not None) == pairs for m in packed)
 
 
 def test_leading_axes_are_kept():
