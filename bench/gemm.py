@@ -10,7 +10,10 @@ M=1 it then times servelm's own GEMV kernel over the plain bfloat16 weights
 (``PackedLinear(keep_plain=True)``, what batch-1 decoding runs) against the
 packed weights, alternating, with the bytes of weights read per second: once
 over plain weights as PyTorch allocates them, once over copies on transparent
-huge pages (``huge_page_copies``, where the model runner puts them).
+huge pages (``huge_page_copies``, where the model runner puts them). For 2 to
+64 rows, where the CPU has AVX512-BF16, it also times servelm's small-GEMM
+kernel over the pair layout (``PackedLinear(keep_pairs=True)``, what decoding
+a few dozen sequences runs) against the packed weights.
 
     .venv/bin/python bench/gemm.py --rows 1 8 32 128 512
 """
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 
 from servelm import kernels
 from servelm.engine.malloc import huge_page_copies
-from servelm.models.packed import PackedLinear, can_pack
+from servelm.models.packed import PAIR_MAX_ROWS, PackedLinear, can_pack
 
 HIDDEN, FFN, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
 
@@ -58,8 +61,11 @@ def main() -> None:
     shapes = _shapes(not args.no_head)
     weights = {dt: [torch.randn(o, i).to(dt) for o, i in shapes] for dt in (torch.float32, torch.bfloat16)}
     packed = [PackedLinear(w) for w in weights[torch.bfloat16]] if packable else []
+    pairs = [PackedLinear(w, keep_pairs=True) for w in weights[torch.bfloat16]] if packable else []
+    if not all(p.pair_weight is not None for p in pairs):
+        pairs = []  # no small-GEMM kernel here (it needs AVX512-BF16), or a shape it cannot take
     header = f"{'M':>6} {'fp32 ms':>9} {'bf16 ms':>9} {'packed ms':>10} {'packed/bf16':>12} {'packed/fp32':>12}"
-    print(header)
+    print(header + (f" {'pairs ms':>9} {'pairs/packed':>13}" if pairs else ""))
     with torch.inference_mode():
         for m in args.rows:
             inputs = {dt: {i: torch.randn(m, i).to(dt) for i in (HIDDEN, FFN)} for dt in weights}
@@ -71,7 +77,11 @@ def main() -> None:
             if packed:
                 x = inputs[torch.bfloat16]
                 pk = _median_ms(lambda: [p(x[p.in_features]) for p in packed], args.repeats)
-                print(f"{m:>6} {fp32:>9.1f} {bf16:>9.1f} {pk:>10.1f} {bf16 / pk:>11.2f}x {fp32 / pk:>11.2f}x")
+                line = f"{m:>6} {fp32:>9.1f} {bf16:>9.1f} {pk:>10.1f} {bf16 / pk:>11.2f}x {fp32 / pk:>11.2f}x"
+                if pairs and 1 < m <= PAIR_MAX_ROWS:
+                    pr = _median_ms(lambda: [p(x[p.in_features]) for p in pairs], args.repeats)
+                    line += f" {pr:>9.1f} {pk / pr:>12.2f}x"
+                print(line)
             else:
                 print(f"{m:>6} {fp32:>9.1f} {bf16:>9.1f} {'-':>10} {'-':>12} {'-':>12}")
         if packed and kernels.cpu_kernels() is not None:

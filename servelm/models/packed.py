@@ -15,7 +15,7 @@ can keep that too (``keep_plain``), at the cost of a second copy of the
 weights; the model runner asks for it when the copy fits in memory. A few
 rows (decoding up to ``PAIR_MAX_ROWS`` sequences) go, on AVX512-BF16 CPUs, to
 servelm's small-GEMM kernel over a third copy in its own layout
-(``keep_pairs``), 1.15-1.35x faster than oneDNN there (``bench/gemm.py``).
+(``keep_pairs``), 1.3-1.4x faster than oneDNN at 8 to 64 rows (``bench/gemm.py``).
 """
 
 from __future__ import annotations
