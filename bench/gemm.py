@@ -10,10 +10,10 @@ M=1 it then times servelm's own GEMV kernel over the plain bfloat16 weights
 (``PackedLinear(keep_plain=True)``, what batch-1 decoding runs) against the
 packed weights, alternating, with the bytes of weights read per second: once
 over plain weights as PyTorch allocates them, once over copies on transparent
-huge pages (``huge_page_copies``, where the model runner puts them). For 2 to
-64 rows, where the CPU has AVX512-BF16, it also times servelm's small-GEMM
+huge pages (``huge_page_copies``, where the model runner puts them). For up
+to 64 rows, where the CPU has AVX512-BF16, it also times servelm's small-GEMM
 kernel over the pair layout (``PackedLinear(keep_pairs=True)``, what decoding
-a few dozen sequences runs) against the packed weights.
+runs on such a CPU) against the packed weights.
 
     .venv/bin/python bench/gemm.py --rows 1 8 32 128 512
 """
@@ -78,7 +78,7 @@ def main() -> None:
                 x = inputs[torch.bfloat16]
                 pk = _median_ms(lambda: [p(x[p.in_features]) for p in packed], args.repeats)
                 line = f"{m:>6} {fp32:>9.1f} {bf16:>9.1f} {pk:>10.1f} {bf16 / pk:>11.2f}x {fp32 / pk:>11.2f}x"
-                if pairs and 1 < m <= PAIR_MAX_ROWS:
+                if pairs and m <= PAIR_MAX_ROWS:
                     pr = _median_ms(lambda: [p(x[p.in_features]) for p in pairs], args.repeats)
                     line += f" {pr:>9.1f} {pk / pr:>12.2f}x"
                 print(line)

@@ -92,20 +92,21 @@ class ModelRunner:
         logger.info("quantized %d linear layers to int8 (weight-only)", count)
 
     def _pack_weights(self) -> None:
-        # Batch-1 decoding reads plain weights twice as fast (packed.py); keeping them costs a second
-        # copy, which is kept only while it takes at most a quarter of the free memory. Decoding a few
-        # dozen sequences runs faster over a third copy (packed.py's pair layout): kept while both
-        # extra copies fit in that quarter.
+        # Decoding reads a second copy of the weights faster than oneDNN's packed one (packed.py): in the
+        # small-GEMM kernel's pair layout where that runs (with a tied head's too), else plain for batch 1
+        # (a tied head's plain weight is the embedding). It is kept only while it takes at most a quarter
+        # of the free memory.
         plain_bytes = sum(m.weight.nbytes for m in self.model.modules() if isinstance(m, nn.Linear))
         head = self._tied_head()
-        pair_bytes = plain_bytes + (head.nbytes if head is not None else 0)
         budget = _free_memory_bytes(self.device) // 4
+        keep_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget
         keep_plain = plain_bytes <= budget
-        keep_pairs = keep_plain and plain_bytes + pair_bytes <= budget
         make = functools.partial(PackedLinear, keep_plain=keep_plain, keep_pairs=keep_pairs)
         count = replace_linears(self.model, make, head)
-        kept = [what for what, kept in (("plain weights for batch 1", keep_plain), ("pair layout for small batches",
-                any(getattr(m, "pair_weight", None) is not None for m in self.model.modules()))) if kept]  # fmt: skip
+        packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
+        kept = [what for what, attr in (("the pair layout for decoding", "pair_weight"),
+                                        ("plain weights for batch 1", "plain_weight"))
+                if any(getattr(m, attr) is not None for m in packed)]  # fmt: skip
         logger.info("prepacked %d linear layers for oneDNN%s", count, f" (kept: {', '.join(kept)})" if kept else "")
 
     def _stream_weights_from_huge_pages(self) -> None:

@@ -137,7 +137,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 class _Linear(ctypes.Structure):  # decode_one.c's struct linear
-    _fields_ = [("weight", _P), ("scales", _P), ("bias", _P)]
+    _fields_ = [("weight", _P), ("scales", _P), ("bias", _P), ("pairs", _I)]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -153,12 +153,14 @@ class _Decoder(ctypes.Structure):
 
 
 class LinearWeights(NamedTuple):
-    """What the one-token decoder reads of a linear layer: a bfloat16 weight ``[out, in]``, or an int8
-    one with bfloat16 ``scales`` ``[out]`` per row; ``bias`` ``[out]`` bfloat16 or None."""
+    """What the one-token decoder reads of a linear layer: a bfloat16 weight ``[out, in]`` (or, with
+    ``pairs``, the same in ``pack_pairs``'s layout), or an int8 one with bfloat16 ``scales`` ``[out]`` per
+    row; ``bias`` ``[out]`` bfloat16 or None."""
 
     weight: torch.Tensor
     scales: torch.Tensor | None
     bias: torch.Tensor | None
+    pairs: bool = False
 
 
 class DecoderLayerWeights(NamedTuple):
@@ -393,13 +395,14 @@ class CpuKernels:
         return out
 
     def pack_pairs(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """A bfloat16 ``weight`` ``[N, K]`` in ``gemm_pairs``'s layout (a flat copy), or None where that kernel
-        does not run: no AVX512-BF16, or N not a multiple of 32, or K odd."""
+        """A copy of a bfloat16 ``weight`` ``[N, K]`` with its elements in ``gemm_pairs``'s layout (the same
+        shape, so only these kernels can read it), or None where that kernel does not run: no AVX512-BF16, or
+        N not a multiple of 32, or K odd."""
         out_features, in_features = weight.shape
         if not self._pairs_supported or weight.dtype != torch.bfloat16 or out_features % 32 or in_features % 2:
             return None
         weight = weight.contiguous()
-        pairs = weight.new_empty(weight.numel())
+        pairs = torch.empty_like(weight)
         self._pack_pairs(weight.data_ptr(), out_features, in_features, pairs.data_ptr(), torch.get_num_threads())
         return pairs
 
@@ -452,14 +455,15 @@ class CpuKernels:
             if cache.shape != layers[0].kv_cache.shape:
                 raise ValueError("one-token decoder: the layers' caches differ in shape")
             bf16 = [layer.input_norm, layer.post_norm, cache]
-            bf16 += [t for name in expected for t in getattr(layer, name)[1:] if t is not None]  # scales, biases
+            bf16 += [t for name in expected for t in getattr(layer, name)[1:3] if t is not None]  # scales, biases
             tensors = bf16 + [getattr(layer, name).weight for name in expected]
             if any(t.dtype != torch.bfloat16 for t in bf16) or any(
                 t.device.type != "cpu" or not t.is_contiguous() for t in tensors
             ):
                 raise ValueError("one-token decoder: tensors must be contiguous on the CPU, bfloat16 but int8 weights")
             keep.extend(tensors)
-            linears = {name: _Linear(*(_ptr(t) for t in getattr(layer, name))) for name in expected}
+            linears = {name: _Linear(*(_ptr(t) for t in getattr(layer, name)[:3]), getattr(layer, name).pairs)
+                       for name in expected}  # fmt: skip
             structs.append(_DecoderLayer(_ptr(layer.input_norm), _ptr(layer.post_norm), **linears,
                                          k_cache=cache[0].data_ptr(), v_cache=cache[1].data_ptr()))  # fmt: skip
         if final_norm.dtype != torch.bfloat16 or not final_norm.is_contiguous():

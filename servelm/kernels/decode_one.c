@@ -22,6 +22,8 @@ void rope_bf16(uint16_t *x, int64_t rows, int64_t stride, int64_t heads, int64_t
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inner, int nthreads);
 void bf16_gemv(const uint16_t *x, int64_t K, const uint16_t *w, const uint16_t *bias, int64_t N, uint16_t *out,
                int nthreads);
+void bf16_gemm_pairs(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pairs, const uint16_t *bias,
+                     int64_t N, uint16_t *out, int nthreads);
 void int8_linear_bf16(const uint16_t *x, int64_t K, const int8_t *w, const uint16_t *scales, int64_t N,
                       uint16_t *out, int nthreads);
 void write_kv(char *k_cache, char *v_cache, const char *key, const char *value, int64_t stride, const int64_t *slots,
@@ -30,12 +32,14 @@ void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                        const int64_t *tables, int64_t max_blocks, const int64_t *lens, uint16_t *out, int64_t B,
                        int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int nthreads);
 
-/* A linear layer [out_features, in_features]: bfloat16 weight, or int8 weight
- * with bfloat16 scales per row (quantization.py); bias NULL or [out_features]. */
+/* A linear layer [out_features, in_features]: bfloat16 weight, plain or in
+ * gemv.c's pair layout, or int8 weight with bfloat16 scales per row
+ * (quantization.py); bias NULL or [out_features]. */
 struct linear {
     const void *weight;
     const uint16_t *scales; /* NULL: the weight is bfloat16 */
     const uint16_t *bias;
+    int64_t pairs; /* nonzero: the bfloat16 weight is in the pair layout */
 };
 
 struct decoder_layer {
@@ -55,6 +59,10 @@ struct decoder {
 /* As models.packed.PackedLinear and models.quantization.Int8Linear compute it
  * (the int8 layer adds its bias in bfloat16 after rounding, as PyTorch does). */
 static void linear(const struct linear *l, const uint16_t *x, int64_t K, int64_t N, uint16_t *out, int nthreads) {
+    if (l->pairs) {
+        bf16_gemm_pairs(x, 1, K, l->weight, l->bias, N, out, nthreads);
+        return;
+    }
     if (!l->scales) {
         bf16_gemv(x, K, l->weight, l->bias, N, out, nthreads);
         return;

@@ -12,10 +12,11 @@ One row (batch-1 decoding) is the exception: oneDNN's packed GEMV reads the
 weights at 15-20 GB/s there, servelm's own matrix-vector kernel
 (``servelm.kernels``) at about 35 GB/s (``bench/gemm.py``). It needs the plain weight, so a layer
 can keep that too (``keep_plain``), at the cost of a second copy of the
-weights; the model runner asks for it when the copy fits in memory. A few
-rows (decoding up to ``PAIR_MAX_ROWS`` sequences) go, on AVX512-BF16 CPUs, to
-servelm's small-GEMM kernel over a third copy in its own layout
-(``keep_pairs``), 1.3-1.4x faster than oneDNN at 8 to 64 rows (``bench/gemm.py``).
+weights; the model runner asks for it when the copy fits in memory. On
+AVX512-BF16 CPUs the copy is instead in the layout of servelm's small-GEMM
+kernel (``keep_pairs``), which serves one row as fast as the matrix-vector
+kernel and 2 to ``PAIR_MAX_ROWS`` rows (decoding a few dozen sequences)
+1.3-1.4x faster than oneDNN (``bench/gemm.py``).
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ PAIR_MAX_ROWS = 64  # the most rows the small-GEMM kernel takes; oneDNN's packed
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` through oneDNN with ``W`` prepacked; with ``keep_plain``, one row goes to
-    servelm's matrix-vector kernel over the plain ``W`` where that kernel is built; with ``keep_pairs``,
-    2 to ``PAIR_MAX_ROWS`` rows go to its small-GEMM kernel where that runs (``pair_weight`` is None
-    elsewhere)."""
+    """``y = x W^T + b`` through oneDNN with ``W`` prepacked; with ``keep_pairs``, up to
+    ``PAIR_MAX_ROWS`` rows go to servelm's small-GEMM kernel over a copy of ``W`` in its pair layout where
+    that kernel runs (``pair_weight`` is None elsewhere); failing that, with ``keep_plain``, one row goes
+    to its matrix-vector kernel over the plain ``W`` where that is built."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = False, keep_pairs: bool = False
@@ -52,12 +53,16 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
         self.bias = None if bias is None else bias.detach().clone()
-        self.plain_weight = weight.detach().contiguous() if keep_plain else None
         native = kernels.for_tensors(weight) if keep_pairs else None
         self.pair_weight = native.pack_pairs(weight.detach()) if native else None
+        # The pair layout serves one row as fast as the plain weight does: no need for both.
+        self.plain_weight = weight.detach().contiguous() if keep_plain and self.pair_weight is None else None
 
     def one_row_weights(self) -> kernels.LinearWeights | None:
-        """What servelm's one-token decoder reads of this layer: the plain weight, where kept."""
+        """What servelm's one-token decoder reads of this layer: the pair layout or the plain weight, where
+        kept."""
+        if self.pair_weight is not None:
+            return kernels.LinearWeights(self.pair_weight, None, self.bias, pairs=True)
         if self.plain_weight is None or self.plain_weight.dtype != torch.bfloat16:
             return None
         return kernels.LinearWeights(self.plain_weight, None, self.bias)
@@ -65,10 +70,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         rows = flat.shape[0]
-        if rows == 1 and self.plain_weight is not None and (native := kernels.for_tensors(flat, self.plain_weight)):
-            out = native.gemv(flat, self.plain_weight, self.bias)
-        elif 1 < rows <= PAIR_MAX_ROWS and self.pair_weight is not None and (native := kernels.for_tensors(flat)):
+        if rows <= PAIR_MAX_ROWS and self.pair_weight is not None and (native := kernels.for_tensors(flat)):
             out = native.gemm_pairs(flat, self.pair_weight, self.out_features, self.bias)
+        elif rows == 1 and self.plain_weight is not None and (native := kernels.for_tensors(flat, self.plain_weight)):
+            out = native.gemv(flat, self.plain_weight, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)

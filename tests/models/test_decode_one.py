@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 
+from servelm import kernels
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM, build_empty_model
 from servelm.models.packed import PackedLinear, can_pack, replace_linears
@@ -32,7 +33,8 @@ def tiny_model(weights: str, **overrides) -> tuple[LlamaForCausalLM, ModelConfig
     else:
         if not can_pack(torch.bfloat16, torch.device("cpu")):
             pytest.skip("this torch build has no oneDNN bfloat16 packing")
-        replace_linears(model, functools.partial(PackedLinear, keep_plain=True), head)
+        # "pairs": the small-GEMM layout where it runs (not for the 120-row head, which stays plain)
+        replace_linears(model, functools.partial(PackedLinear, keep_plain=True, keep_pairs=weights == "pairs"), head)
     return model, config
 
 
@@ -53,7 +55,7 @@ def decode(model, config, paged_runner, prompt, steps, one_call: bool):
     return torch.cat(logits), runner.kv_caches
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "pairs", "int8"])
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"attention_bias": True, "attention_out_bias": True}, {"tie_word_embeddings": True}],
@@ -64,6 +66,8 @@ def test_one_call_step_is_bit_identical_to_the_layer_by_layer_path(paged_runner,
     prompt = list(range(3, 21))  # 18 tokens: the decodes cross blocks of 4
     fused, fused_caches = decode(model, config, paged_runner, prompt, 9, one_call=True)
     assert model._decoder is not None and model._decoder[1] is not None  # it did run
+    if weights == "pairs" and kernels.cpu_kernels() is not None and "avx512_bf16" in kernels._cpu_flags():
+        assert model.model.layers[0].self_attn.qkv_proj.pair_weight is not None  # the pair layout was read
     layered, layered_caches = decode(model, config, paged_runner, prompt, 9, one_call=False)
     assert torch.equal(fused, layered)
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, layered_caches))
