@@ -110,7 +110,7 @@ class ModelRunner:
         logger.info("prepacked %d linear layers for oneDNN%s", count, f" (kept: {', '.join(kept)})" if kept else "")
 
     def _stream_weights_from_huge_pages(self) -> None:
-        # Batch-1 decoding streams the plain (or int8) weights of every layer once per token. On
+        # Decoding streams the pair-layout, plain or int8 weights of every layer once per step. On
         # transparent huge pages it takes a TLB miss every 2 MiB instead of every 4 KiB (malloc.py).
         owners = [
             (m, attr)

@@ -8,6 +8,7 @@ offset ``t % block_size``; its flat slot is ``block * block_size + offset``.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +43,7 @@ class AttentionMetadata:
         """``prefill_lens``, built on first use."""
         if self.prefill_lens is None:
             query_lens = self.query_lens[: self.num_prefills]
-            starts = [sum(query_lens[:i]) for i in range(self.num_prefills)]
+            starts = list(itertools.accumulate(query_lens, initial=0))[:-1]
             self.prefill_lens = torch.tensor([starts, query_lens, self.context_lens[: self.num_prefills]])
         return self.prefill_lens
 
