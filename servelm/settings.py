@@ -176,7 +176,7 @@ class Settings(BaseSettings):
         "none",
         description=(
             "Weight quantization: none, or int8 (weight-only, CPU; faster decoding of one sequence than "
-            "float32 and bfloat16, the same speed at large batches; more memory)."
+            "float32 and bfloat16, slower than bfloat16 with many sequences on AVX512-BF16 CPUs; more memory)."
         ),
     )
 
