@@ -25,7 +25,7 @@ from servelm.engine.scheduler import SchedulerOutput
 from servelm.kernels import cpu_kernels
 from servelm.models.attention import AttentionMetadata
 from servelm.models.loader import load_model
-from servelm.models.packed import PackedLinear, can_pack, replace_linears
+from servelm.models.packed import PackedLinear, can_pack, pairs_beat_onednn, replace_linears
 from servelm.models.quantization import Int8Linear, quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -93,13 +93,13 @@ class ModelRunner:
 
     def _pack_weights(self) -> None:
         # Decoding reads a second copy of the weights faster than oneDNN's packed one (packed.py): in the
-        # small-GEMM kernel's pair layout where that runs (with a tied head's too), else plain for batch 1
+        # small-GEMM kernel's pair layout where that beats oneDNN (with a tied head's too), else plain for batch 1
         # (a tied head's plain weight is the embedding). It is kept only while it takes at most a quarter
         # of the free memory.
         plain_bytes = sum(m.weight.nbytes for m in self.model.modules() if isinstance(m, nn.Linear))
         head = self._tied_head()
         budget = _free_memory_bytes(self.device) // 4
-        keep_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget
+        keep_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget and pairs_beat_onednn()
         keep_plain = plain_bytes <= budget
         make = functools.partial(PackedLinear, keep_plain=keep_plain, keep_pairs=keep_pairs)
         count = replace_linears(self.model, make, head)

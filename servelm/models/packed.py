@@ -16,10 +16,14 @@ weights; the model runner asks for it when the copy fits in memory. On
 AVX512-BF16 CPUs the copy is instead in the layout of servelm's small-GEMM
 kernel (``keep_pairs``), which serves one row as fast as the matrix-vector
 kernel and 2 to ``PAIR_MAX_ROWS`` rows (decoding a few dozen sequences)
-1.3-1.4x faster than oneDNN (``bench/gemm.py``).
+1.3-1.4x faster than oneDNN (``bench/gemm.py``); the runner asks for it where
+a timing at start-up says so (``pairs_beat_onednn``).
 """
 
 from __future__ import annotations
+
+import functools
+import time
 
 import torch
 from torch import nn
@@ -38,6 +42,32 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 PAIR_MAX_ROWS = 64  # the most rows the small-GEMM kernel takes; oneDNN's packed GEMM catches up beyond
+
+
+@functools.cache
+def pairs_beat_onednn() -> bool:
+    """Whether servelm's small-GEMM kernel multiplies 32 rows faster than oneDNN's packed GEMM on this CPU.
+
+    It does, 1.3-1.4x, on AVX512-BF16 CPUs where oneDNN has the same instructions (``bench/gemm.py``);
+    where oneDNN has more (AMX) it need not. One [32, 576] x [576, 3072] product each way, the best of
+    five alternating calls (a few milliseconds), settles it; False where the kernel does not run here.
+    """
+    native = kernels.cpu_kernels()
+    weight = torch.randn(3072, 576).to(torch.bfloat16)
+    pairs = native.pack_pairs(weight) if native else None
+    if pairs is None or not can_pack(torch.bfloat16, torch.device("cpu")):
+        return False
+    packed = PackedLinear(weight)
+    x = torch.randn(32, 576).to(torch.bfloat16)
+    runs = {"pairs": lambda: native.gemm_pairs(x, pairs, 3072), "onednn": lambda: packed(x)}
+    best = dict.fromkeys(runs, float("inf"))
+    with torch.inference_mode():
+        for _ in range(6):  # the first round pays oneDNN's set-up
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best["pairs"] < best["onednn"]
 
 
 class PackedLinear(nn.Module):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm import kernels
-from servelm.models.packed import PackedLinear, can_pack, replace_linears
+from servelm.models.packed import PackedLinear, can_pack, pairs_beat_onednn, replace_linears
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.bfloat16, torch.device("cpu")), reason="this torch build has no oneDNN bfloat16 packing"
@@ -62,14 +62,30 @@ def test_shapes_the_small_gemm_cannot_take_stay_on_onednn(native_kernels, shape)
     torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
+def test_without_the_kernels_the_small_gemm_is_not_chosen(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
+    assert pairs_beat_onednn.__wrapped__() is False  # not the cached answer: this call's
+
+
+@pytest.mark.model
+def test_plain_weights_stay_where_the_small_gemm_loses(monkeypatch):
+    from servelm import LLM
+    from servelm.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "pairs_beat_onednn", lambda: False)
+    model = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20).engine.runner.model
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all(m.pair_weight is None and m.plain_weight is not None for m in packed)
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("free_mib,plain,pairs", [(256, False, False), (960, True, False), (1200, False, True)])
 def test_extra_weight_copies_are_dropped_where_they_do_not_fit(monkeypatch, free_mib, plain, pairs):
     """A quarter of the free memory is the budget: 64 MiB holds no copy, 240 MiB the plain one (212 MB; the
     tied head's is the embedding) but not the pair layout (269 MB with the head's), 300 MiB the pair layout,
     which then serves batch 1 too, so no layer keeps a plain copy besides."""
-    if pairs and not (kernels.cpu_kernels() is not None and has_avx512_bf16()):
-        pytest.skip("the pair layout is made on AVX512-BF16 CPUs only")
+    if pairs and not pairs_beat_onednn():
+        pytest.skip("the pair layout is kept only where the small GEMM beats oneDNN (not on this CPU)")
     from servelm import LLM
     from servelm.engine import model_runner
 
@@ -107,7 +123,7 @@ def test_engine_in_bfloat16_packs_its_layers_and_stays_close_to_float32(llm):
     # A 135M model's decoding copy fits beside the packed weights: in the pair layout on an AVX512-BF16 CPU
     # (the tied head's too), elsewhere plain (the tied head's plain weight being the embedding itself).
     down, head = model.model.layers[0].mlp.down_proj, model.lm_head
-    assert (down.pair_weight is not None) == (kernels.cpu_kernels() is not None and has_avx512_bf16())
+    assert (down.pair_weight is not None) == pairs_beat_onednn()
     if down.pair_weight is not None:
         assert head.pair_weight is not None and down.plain_weight is None and head.plain_weight is None
     else:
