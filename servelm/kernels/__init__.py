@@ -282,8 +282,10 @@ class CpuKernels:
         _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
         if query.dtype != torch.bfloat16 or cache_dim != head_dim or num_heads % num_kv_heads:
             return False
-        if not kv_cache.is_contiguous() or not out.is_contiguous() or out.shape[0] < query.shape[0] or out.shape[1:] != query.shape[1:]:
-            raise ValueError("prefill attention: the cache and out must be contiguous, out as long as the query")
+        if not kv_cache.is_contiguous() or not out.is_contiguous():
+            raise ValueError("prefill attention: the cache and out must be contiguous")
+        if out.shape[0] < query.shape[0] or out.shape[1:] != query.shape[1:]:
+            raise ValueError("prefill attention: out must have the query's heads and at least its rows")
         if seq_lens.dtype != torch.int64 or seq_lens.shape != (3, block_tables.shape[0]):
             raise ValueError("prefill attention: seq_lens must be int64 [3, sequences]")
         if query.stride(2) != 1 or query.stride(1) != head_dim:
@@ -406,7 +408,9 @@ class CpuKernels:
         self._pack_pairs(weight.data_ptr(), out_features, in_features, pairs.data_ptr(), torch.get_num_threads())
         return pairs
 
-    def gemm_pairs(self, x: torch.Tensor, pairs: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def gemm_pairs(
+        self, x: torch.Tensor, pairs: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x W^T + b`` for a few bfloat16 rows ``x`` ``[M, K]``, with W ``[out_features, K]`` as
         ``pack_pairs`` made it and ``bias`` ``[out_features]`` bfloat16; float32 sums rounded once. ``[M, N]``."""
         rows, in_features = x.shape
@@ -561,9 +565,11 @@ def _check_prefill(kernels: CpuKernels, gen: torch.Generator) -> None:
     out = query.new_zeros(query.shape)
     if not kernels.prefill_attention(query, cache, tables, seq_lens, 0.125, out):
         return
-    expected = reference_decode_attention(query, cache, tables[[0] * 5 + [1] * 2], torch.tensor([7, 8, 9, 10, 11, 2, 3]), 0.125)
+    token_tables, token_lens = tables[[0] * 5 + [1] * 2], torch.tensor([7, 8, 9, 10, 11, 2, 3])
+    expected = reference_decode_attention(query, cache, token_tables, token_lens, 0.125)
     if not torch.allclose(out.double(), expected, atol=3e-2, rtol=3e-2):
-        raise RuntimeError(f"prefill_attention in torch.bfloat16 differs from PyTorch's by {(out.double() - expected).abs().max():.3g}")
+        error = (out.double() - expected).abs().max()
+        raise RuntimeError(f"prefill_attention in torch.bfloat16 differs from PyTorch's by {error:.3g}")
 
 
 def _written(kernels: CpuKernels, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -165,7 +165,9 @@ PREFILLS_AND_DECODES = ([(158, 142), (40, 40), (300, 1), (77, 77)], [20, 5])
 
 
 @pytest.mark.parametrize("block_size", [16, 8])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (14, 2, 64), (8, 8, 64), (16, 2, 32)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (14, 2, 64), (8, 8, 64), (16, 2, 32)]
+)
 def test_bf16_prefills_at_model_shapes(num_heads, num_kv_heads, head_dim, block_size):
     """bfloat16 is what the native prefill kernel takes (64-dim multiples; 32-dim heads stay on PyTorch)."""
     case = make_case(*PREFILLS_AND_DECODES, num_heads, num_kv_heads, head_dim=head_dim, block_size=block_size, seed=11)
