@@ -35,7 +35,7 @@ def has_avx512_bf16() -> bool:
     return "avx512_bf16" in kernels._cpu_flags()
 
 
-@pytest.mark.parametrize("rows", [2, 12, 13, 32, 64, 65])  # tiles of 12 rows, a partial one; 65: oneDNN again
+@pytest.mark.parametrize("rows", [1, 2, 12, 13, 32, 64, 65])  # tiles of 12 rows, a partial one; 65: oneDNN
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.usefixtures("cpu_ops")
 def test_a_few_rows_go_to_the_small_gemm_over_the_pair_layout(rows, with_bias):
