@@ -28,6 +28,17 @@ static inline void prefetch_next_block(const int64_t *table, int64_t t, int64_t 
         for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(next + i * (block_bytes / block_size) + offset + o);
 }
 
+/* s[0..len) = softmax(s[0..len)), in place, in float32. */
+static inline void softmax_(float *s, int64_t len) {
+    float mx = s[0], sum = 0.f;
+    for (int64_t t = 1; t < len; t++) mx = s[t] > mx ? s[t] : mx;
+    _Pragma("omp simd reduction(+:sum)")
+    for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - mx); sum += s[t]; }
+    const float inv = 1.f / sum;
+    _Pragma("omp simd")
+    for (int64_t t = 0; t < len; t++) s[t] *= inv;
+}
+
 /* On AVX512-BF16 CPUs the bfloat16 kernel's two passes have vector versions
  * (below), each returning 0 where it does not apply so that the portable loop
  * runs instead. The portable loops spend most of their instructions on a
@@ -219,15 +230,7 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
                 scores[r * len + t] = s;                                                          \
             }                                                                                     \
         }                                                                                         \
-        for (int64_t r = 0; r < rows; r++) {                                                      \
-            float *sr = scores + r * len, mx = sr[0], sum = 0.f;                                  \
-            for (int64_t t = 1; t < len; t++) mx = sr[t] > mx ? sr[t] : mx;                       \
-            _Pragma("omp simd reduction(+:sum)")                                                  \
-            for (int64_t t = 0; t < len; t++) { sr[t] = expf(sr[t] - mx); sum += sr[t]; }         \
-            const float inv = 1.f / sum;                                                          \
-            _Pragma("omp simd")                                                                   \
-            for (int64_t t = 0; t < len; t++) sr[t] *= inv;                                       \
-        }                                                                                         \
+        for (int64_t r = 0; r < rows; r++) softmax_(scores + r * len, len);                      \
         if (!VALUES(scores, rows, G, D, v_cache, KVH, h0, table, block_size, len,                 \
                     out + (b * H + h0 * G) * D)) {                                                \
             memset(acc, 0, sizeof(float) * (size_t)(rows * D));                                   \
@@ -269,7 +272,7 @@ DEFINE_DECODE(paged_decode_f32, float, f32_identity, f32_identity, scores_none, 
  * First each (sequence, KV head)'s keys are transposed, sixteen at a time,
  * to the layout vdpbf16ps multiplies against a broadcast pair of query dims:
  * kt[(c * D / 2 + p) * 16 + j] = dims 2p, 2p+1 of key 16c + j. Then a work
- * item is a tile of PREFILL_TOKENS tokens x one KV head's query heads: its
+ * item is a tile of tokens (up to 24 query rows) x one KV head's query heads: its
  * scores are summed PREFILL_ROWS query rows at a time against each chunk of
  * 16 keys (one load of the keys serves them all), then softmaxed in float32
  * per row over the keys the row sees, then each token's heads sum the V
@@ -354,16 +357,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                 for (int64_t r0 = 0; r0 < rows; r0 += PREFILL_ROWS)
                     rows_scores(kts + c * pairs * 16, qrows + r0, rows - r0 < PREFILL_ROWS ? rows - r0 : PREFILL_ROWS,
                                 pairs, scale, scores + r0 * stride + c * 16, stride);
-            for (int64_t r = 0; r < rows; r++) {
-                float *sr = scores + r * stride, mx = sr[0], sum = 0.f;
-                const int64_t len = pos0 + r / G + 1;
-                for (int64_t t = 1; t < len; t++) mx = sr[t] > mx ? sr[t] : mx;
-                _Pragma("omp simd reduction(+:sum)")
-                for (int64_t t = 0; t < len; t++) { sr[t] = expf(sr[t] - mx); sum += sr[t]; }
-                const float inv = 1.f / sum;
-                _Pragma("omp simd")
-                for (int64_t t = 0; t < len; t++) sr[t] *= inv;
-            }
+            for (int64_t r = 0; r < rows; r++) softmax_(scores + r * stride, pos0 + r / G + 1); /* keys it sees */
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
                 row_pointers(v_cache + h * D + d0, tables + s * max_blocks, keys, block_size, KVH * D, v_rows);
                 for (int64_t i = 0; i < n; i++)
