@@ -22,6 +22,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define GEMV_AVX512 1
+#ifdef __AVX512BF16__
+#define GEMV_AVX512BF16 1 /* vdpbf16ps: the bfloat16 GEMV's vector loop and the small GEMM */
+#endif
 #endif
 
 #define GROUP 4 /* rows summed side by side */
@@ -48,7 +51,7 @@ static inline float int8_to_f32(int8_t v) { return (float)v; }
 /* Mask of the first `count` (< 64) lanes. */
 static inline uint64_t first_lanes(int64_t count) { return (UINT64_C(1) << count) - 1; }
 
-#ifdef __AVX512BF16__
+#ifdef GEMV_AVX512BF16
 /* Dot products of `rows` (1..GROUP, a constant once inlined) weight rows
  * w[r * K ...] with x, into sums[r]. */
 static inline __attribute__((always_inline)) void bf16_dots(const uint16_t *x, int64_t K, const uint16_t *w,
@@ -125,7 +128,7 @@ static inline __attribute__((always_inline)) void int8_dots(const float *xf, int
 /* x: [K] bfloat16, w: [N, K] bfloat16, bias: [N] or NULL; out: [N]. */
 void bf16_gemv(const uint16_t *x, int64_t K, const uint16_t *w, const uint16_t *bias, int64_t N, uint16_t *out,
                int nthreads) {
-#if defined(GEMV_AVX512) && defined(__AVX512BF16__)
+#ifdef GEMV_AVX512BF16
 #define BF16_DOTS(rows, n, sums) bf16_dots(x, K, w + (n) * K, rows, sums)
     GEMV_GROUPS(BF16_DOTS, bias ? acc + bf16_to_f32(bias[n]) : acc)
 #else
@@ -161,7 +164,7 @@ void int8_linear_bf16(const uint16_t *x, int64_t K, const int8_t *w, const uint1
  * at ((n / 16) * (K / 2) + k / 2) * 32 + (n % 16) * 2 + k % 2, so that the
  * 16 outputs of a block and one pair of K are one vector. */
 int bf16_pairs_supported(void) {
-#if defined(GEMV_AVX512) && defined(__AVX512BF16__)
+#ifdef GEMV_AVX512BF16
     return 1;
 #else
     return 0;
@@ -180,7 +183,7 @@ void bf16_pack_pairs(const uint16_t *w, int64_t N, int64_t K, uint16_t *pairs, i
             }
 }
 
-#if defined(GEMV_AVX512) && defined(__AVX512BF16__)
+#ifdef GEMV_AVX512BF16
 #define PAIR_ROWS 12 /* 12 rows x 2 vectors of accumulators, 2 of weights: 26 of the 32 registers */
 
 static inline __attribute__((always_inline)) void pair_tile(const uint16_t *x, int64_t K, const uint16_t *w0,
@@ -214,7 +217,7 @@ static inline __attribute__((always_inline)) void pair_tile(const uint16_t *x, i
 /* x: [M, K] bfloat16, pairs: W [N, K] in the pair layout, bias: [N] or NULL; out: [M, N]. */
 void bf16_gemm_pairs(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pairs, const uint16_t *bias,
                      int64_t N, uint16_t *out, int nthreads) {
-#if defined(GEMV_AVX512) && defined(__AVX512BF16__)
+#ifdef GEMV_AVX512BF16
     const int64_t block = 16 * K; /* elements of 16 outputs' weights */
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")
     for (int64_t n32 = 0; n32 < N / 32; n32++) {
