@@ -105,8 +105,10 @@ class RateLimit(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
+    requests_per_minute: int | None = Field(None, ge=1, description="requests per minute")
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="tokens per minute: prompt plus max_tokens reserved, corrected to actual use"
+    )
 
     @property
     def unlimited(self) -> bool:
@@ -139,6 +141,39 @@ class RateLimits(BaseModel):
         return self.default.model_copy(update={name: getattr(override, name) for name in override.model_fields_set})
 
 
+# The groups of settings, in the order --help, servelm.yaml and docs/DEPLOY.md show them,
+# each with the line that introduces it.
+GROUPS: dict[str, str] = {
+    "models": "What to serve.",
+    "engine": "The serving engine.",
+    "HTTP": "The HTTP server, auth and logs.",
+    "admission control": "Bound the engine's queue and each request's time; 0 or none/null: no limit.",
+    "rate limits": "Per API key (per client address when no keys are set). Off by default.",
+}
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    group: str,
+    flag: str | None = None,
+    metavar: str | None = None,
+    default_text: str | None = None,
+    **constraints: Any,
+) -> Any:
+    """A settings field described once: its help text feeds ``--help``, servelm.yaml and docs/DEPLOY.md.
+
+    ``default`` may be a type or function (a default factory). ``flag`` names
+    the command-line flag when it is not ``--<name-with-dashes>`` (``""``: no
+    flag); ``default_text`` says what a default of ``None`` or ``[]`` means.
+    """
+    extra = {"group": group, "flag": flag, "metavar": metavar, "default_text": default_text}
+    if callable(default):
+        return Field(default_factory=default, description=help, json_schema_extra=extra, **constraints)
+    return Field(default, description=help, json_schema_extra=extra, **constraints)
+
+
 class Settings(BaseSettings):
     """Everything ``servelm serve`` can be told, with its default.
 
@@ -152,62 +187,160 @@ class Settings(BaseSettings):
         case_sensitive=False,
     )
 
-    config: Path | None = Field(None, description="YAML config file (flags and environment override it).")
-
-    # models
-    model: str = Field(DEFAULT_MODEL, description="Chat/completions model: a bundled name or a path.")
-    embedding_model: str | None = Field(
-        DEFAULT_EMBEDDING_MODEL, description="Embedding model: a bundled name, a path, or none."
+    config: Path | None = setting(
+        None, "YAML config file (see servelm.yaml); flags and environment variables override it", group="", metavar="FILE"
     )
-    served_model_name: str | None = Field(None, description="Name clients use for the chat model.")
-    chat_template: Path | None = Field(None, description="Jinja chat template file overriding the model's own.")
 
-    # engine
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    kv_cache_memory: int | float = Field(1 << 30, description="KV cache size: bytes, or a fraction of free memory.")
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    quantization: Literal["none", "int8"] = Field(
+    model: str = setting(
+        DEFAULT_MODEL,
+        "chat/completions model: a bundled name (smollm2-135m-instruct), a Hugging Face model folder or a GGUF file",
+        group="models",
+        metavar="NAME_OR_PATH",
+    )
+    embedding_model: str | None = setting(
+        DEFAULT_EMBEDDING_MODEL,
+        "model behind /v1/embeddings: a bundled name (all-minilm-l6-v2), a folder, or none to serve no embeddings",
+        group="models",
+        metavar="NAME_OR_PATH",
+    )
+    served_model_name: str | None = setting(
+        None,
+        "the name clients send as 'model' for the chat model",
+        group="models",
+        metavar="NAME",
+        default_text="--model as given",
+    )
+    chat_template: Path | None = setting(
+        None,
+        "Jinja chat template file overriding the model's own, read once at start-up",
+        group="models",
+        metavar="FILE",
+        default_text="each model's own template",
+    )
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "auto",
+        "weight and activation dtype; auto: bfloat16 on CUDA and on CPUs whose bfloat16 matmuls are at least "
+        "1.5x faster than float32 ones (measured at start-up and logged), else float32",
+        group="engine",
+    )
+    device: str = setting(
+        "auto", "cpu, cuda, cuda:N, mps or auto", group="engine", metavar="DEVICE", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$"
+    )
+    max_num_seqs: int = setting(64, "most sequences running in one engine step", group="engine", metavar="N", ge=1)
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one engine step (prefill chunks + decodes)", group="engine", metavar="N", ge=1
+    )
+    max_model_len: int | None = setting(
+        None, "context length limit", group="engine", metavar="N", default_text="the model's own", ge=1
+    )
+    kv_cache_memory: int | float = setting(
+        1 << 30,
+        "paged KV cache size: bytes (1073741824, 4GiB, 512MB) or a fraction in (0, 1] of free device memory "
+        "(of available RAM on CPU), e.g. 0.5",
+        group="engine",
+        metavar="SIZE",
+    )
+    block_size: int = setting(16, "tokens per KV cache block, a power of two", group="engine", metavar="N")
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV cache of shared prompt prefixes", group="engine", flag="--prefix-caching"
+    )
+    seed: int = setting(
+        0, "engine random seed (a request's own seed overrides it for that request)", group="engine", metavar="N"
+    )
+    quantization: Literal["none", "int8"] = setting(
         "none",
-        description=(
-            "Weight quantization: none, or int8 (weight-only, CPU; faster decoding of one sequence than "
-            "float32 and bfloat16, slower than bfloat16 with many sequences on AVX512-BF16 CPUs; more memory)."
-        ),
+        "weights: none, or int8 weight-only on CPU (per-row scales); int8 decodes one sequence faster than "
+        "float32 and bfloat16 and keeps a float copy for large batches, so it uses more memory, not less; "
+        "greedy outputs agree with float32 closely but not exactly (docs/BENCHMARKS.md)",
+        group="engine",
     )
 
-    # HTTP
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    metrics_require_auth: bool = False
-    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
-    log_format: Literal["text", "json"] = Field("text", description="Log lines as text or as JSON objects.")
+    host: str = setting("127.0.0.1", "address to listen on", group="HTTP", metavar="HOST")
+    port: int = setting(8000, "port to listen on, 0 for any free port", group="HTTP", metavar="PORT", ge=0, le=65535)
+    api_keys: Annotated[list[str], NoDecode] = setting(
+        list,
+        "API keys: when any is set, every route but /health, /ping and the web pages needs "
+        "'Authorization: Bearer KEY' (repeatable flag; comma-separated in SERVELM_API_KEYS)",
+        group="HTTP",
+        flag="--api-key",
+        metavar="KEY",
+        default_text="no auth",
+    )
+    metrics_require_auth: bool = setting(False, "require the API key on /metrics too", group="HTTP")
+    cors_origins: Annotated[list[str], NoDecode] = setting(
+        list,
+        "origins allowed to call the API from a browser (CORS), or '*' (repeatable flag)",
+        group="HTTP",
+        flag="--cors-origin",
+        metavar="ORIGIN",
+        default_text="CORS off",
+    )
+    max_body_bytes: int = setting(
+        8 * 1024 * 1024, "largest request body accepted; a larger one gets 413", group="HTTP", metavar="N", ge=1
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = setting(
+        "info", "server log level", group="HTTP"
+    )
+    log_format: Literal["text", "json"] = setting(
+        "text",
+        "log lines as text or as one JSON object each; access lines (logger servelm.access) carry request id, "
+        "client, method, path, route, status, prompt and completion tokens, TTFT and total time",
+        group="HTTP",
+    )
 
-    # admission control; 0 or null: no limit
-    max_waiting: int | None = Field(
-        256, ge=0, description="Most requests waiting to start in the engine; past it new requests get 429."
+    max_waiting: int | None = setting(
+        256,
+        "most requests waiting to start in the engine; past it a new chat/completions request gets 429 "
+        "server_overloaded (code queue_full) with Retry-After",
+        group="admission control",
+        metavar="N",
+        ge=0,
     )
-    queue_timeout: float | None = Field(
-        60.0, ge=0, description="Seconds a request may wait to start before it is aborted with 429."
+    queue_timeout: float | None = setting(
+        60.0,
+        "seconds a request may wait to start (no first output yet) before it is aborted with the same 429 "
+        "(code queue_timeout)",
+        group="admission control",
+        metavar="SECONDS",
+        ge=0,
     )
-    request_timeout: float | None = Field(
-        None, ge=0, description="Seconds a request may run before it is aborted with a timeout error."
+    request_timeout: float | None = setting(
+        None,
+        "seconds a request may run in all before it is aborted and answered 408 timeout_error "
+        "(code request_timeout); a stream already under way gets an error event, then [DONE]",
+        group="admission control",
+        metavar="SECONDS",
+        default_text="no limit",
+        ge=0,
     )
-    shutdown_timeout: float = Field(
-        30.0, ge=0, description="On SIGTERM or Ctrl-C: seconds requests in flight get to finish before they are aborted."
+    shutdown_timeout: float = setting(
+        30.0,
+        "on SIGTERM or Ctrl-C: stop admitting (503 server_shutting_down with Retry-After, /ready 503), give "
+        "requests in flight this long to finish, abort the rest with an error, exit 0; a second signal stops at once",
+        group="admission control",
+        metavar="SECONDS",
+        ge=0,
     )
 
-    # rate limits
-    rate_limits: RateLimits = Field(default_factory=RateLimits)
-    rate_limit_storage: str = Field(
-        "memory://", description="Where rate-limit counters live: a `limits` storage URI (memory://, redis://...)."
+    rate_limits: RateLimits = setting(
+        RateLimits,
+        "requests and tokens per minute for each client (its API key when api_keys are set, else its address) "
+        "on /v1/chat/completions, /v1/completions and /v1/embeddings; tokens are the prompt plus max_tokens for "
+        "each choice, reserved at admission and corrected to actual use; over a limit: 429 rate_limit_exceeded "
+        "with Retry-After. default applies to every client (null: unlimited); keys holds per-key overrides "
+        "(a field left out inherits the default, an explicit null is unlimited; with api_keys set, each must be "
+        "one of them)",
+        group="rate limits",
+        flag="",
+        default_text="unlimited",
+    )
+    rate_limit_storage: str = setting(
+        "memory://",
+        "where the rate-limit counters live: memory:// (this process) or a store shared by several servers, "
+        "such as redis://HOST:6379 (needs limits[async-redis])",
+        group="rate limits",
+        metavar="URI",
     )
 
     @classmethod
