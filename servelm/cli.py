@@ -23,7 +23,14 @@ from servelm.benchmark.cli import add_bench_parser, run_bench
 from servelm.chat_client import run_chat
 from servelm.clients import api_key_from_env
 from servelm.server import serve
-from servelm.settings import ENV_PREFIX, GROUPS, RateLimit, Settings, SettingsError, unknown_env_vars
+from servelm.settings import (
+    ENV_PREFIX,
+    GROUPS,
+    RateLimit,
+    Settings,
+    SettingsError,
+    unknown_env_vars,
+)
 
 SUBCOMMANDS = ("serve", "chat", "bench")
 
