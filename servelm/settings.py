@@ -140,6 +140,12 @@ class Settings(BaseSettings):
         default_text="no auth",
     )
     metrics_require_auth: bool = setting(False, "require the API key on /metrics too", group="HTTP")
+    web: bool = setting(
+        True,
+        "serve the chat page at / and the live status page at /status (the pages are public; "
+        "the API calls they make need the key when auth is on)",
+        group="HTTP",
+    )
     cors_origins: Annotated[list[str], NoDecode] = setting(
         list,
         "origins allowed to call the API from a browser (CORS), or '*' (repeatable flag)",

@@ -15,7 +15,7 @@ from servelm.api.body_limit import BodyLimitMiddleware
 from servelm.api.errors import CatchAllMiddleware, install_exception_handlers
 from servelm.api.metrics import Metrics, MetricsMiddleware
 from servelm.api.ratelimit import REQUESTS, TOKENS, RateLimiter, RateLimitMiddleware
-from servelm.api.routers import chat, completions, embeddings, health, models, tokenize
+from servelm.api.routers import chat, completions, embeddings, health, models, tokenize, web
 from servelm.api.serving_engine import ServingContext, servelm_version
 from servelm.api.serving_generation import ADMISSION_STATE, Admission
 from servelm.api.state import AppState
@@ -68,9 +68,13 @@ def create_app(
         ),
     )
     install_exception_handlers(app)
-    routers = (chat, completions, embeddings, models, tokenize, health)
+    routers: tuple = (chat, completions, embeddings, models, tokenize, health)
+    if settings.web:
+        routers += (web,)
     for module in routers:
         app.include_router(module.router)
+    if settings.web:
+        app.mount("/static", web.static_files(), name="static")
 
     # add_middleware wraps, so the last added runs first: CORS -> access log ->
     # metrics -> catch-all -> auth -> rate limit -> body limit -> routes.
@@ -81,7 +85,10 @@ def create_app(
         limiter = RateLimiter.from_uri(settings.rate_limits, settings.rate_limit_storage, clock=clock, metrics=metrics)
         app.add_middleware(RateLimitMiddleware, limiter=limiter, keyed=bool(settings.api_keys))
     if settings.api_keys:
-        app.add_middleware(AuthMiddleware, api_keys=settings.api_keys, metrics_require_auth=settings.metrics_require_auth)
+        public = {"public_paths": web.PUBLIC_PATHS, "public_prefix": web.PUBLIC_PREFIX} if settings.web else {}
+        app.add_middleware(
+            AuthMiddleware, api_keys=settings.api_keys, metrics_require_auth=settings.metrics_require_auth, **public
+        )
     app.add_middleware(CatchAllMiddleware)
     routes = [r for r in app.routes if hasattr(r, "path")]
     routes += [r for module in routers for r in module.router.routes]

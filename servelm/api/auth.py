@@ -33,13 +33,25 @@ class AuthMiddleware:
     client learns nothing about the request it sent.
     """
 
-    def __init__(self, app: ASGIApp, api_keys: Iterable[str], metrics_require_auth: bool = False):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: Iterable[str],
+        metrics_require_auth: bool = False,
+        public_paths: Iterable[str] = (),
+        public_prefix: str | None = None,
+    ):
         self.app = app
         self.keys = tuple(k.encode() for k in api_keys)
         self.open_paths = ALWAYS_OPEN if metrics_require_auth else ALWAYS_OPEN | {"/metrics"}
+        # The web pages and their static files: public, so the page can load and ask for the key.
+        self.open_paths = self.open_paths | frozenset(public_paths)
+        self.public_prefix = public_prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths or scope.get("method") == "OPTIONS":
+        path = scope.get("path", "")
+        public = path in self.open_paths or (self.public_prefix is not None and path.startswith(self.public_prefix))
+        if scope["type"] != "http" or public or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         header = ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
@@ -88,6 +88,9 @@ class Metrics:
             "Requests refused by admission control: 429 queue_full or queue_timeout, 503 server_shutting_down.",
             ["reason"], registry=r,
         )
+        started = time.monotonic()
+        self.uptime = Gauge("servelm:uptime_seconds", "Seconds since the server's app was built.", registry=r)
+        self.uptime.set_function(lambda: time.monotonic() - started)
         self.engine = EngineCollector()
         r.register(self.engine)
 
@@ -130,6 +133,14 @@ class EngineCollector(Collector):
             "num_preemptions": CounterMetricFamily(
                 "servelm:num_preemptions", "Sequences preempted (their KV blocks freed, recomputed later).",
                 labels=_MODEL),
+            "model_info": GaugeMetricFamily(
+                "servelm:model_info", "Always 1; its labels say how the model runs (dtype, device).",
+                labels=["model_name", "dtype", "device"]),
+            "kv_cache_size_tokens": GaugeMetricFamily(
+                "servelm:kv_cache_size_tokens", "Tokens the KV cache holds in all (blocks times block size).",
+                labels=_MODEL),
+            "kv_cache_size_bytes": GaugeMetricFamily(
+                "servelm:kv_cache_size_bytes", "Memory the KV cache takes.", labels=_MODEL),
         }
         for s in self.stats:
             labels = [s.model]
@@ -139,6 +150,9 @@ class EngineCollector(Collector):
             families["prefix_cache_queries"].add_metric(labels, s.prefix_cache_queries)
             families["prefix_cache_hits"].add_metric(labels, s.prefix_cache_hits)
             families["num_preemptions"].add_metric(labels, s.num_preemptions)
+            families["model_info"].add_metric([s.model, s.dtype, s.device], 1)
+            families["kv_cache_size_tokens"].add_metric(labels, s.kv_cache_tokens)
+            families["kv_cache_size_bytes"].add_metric(labels, s.kv_cache_bytes)
         yield from families.values()
 
 

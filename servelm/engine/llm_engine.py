@@ -224,7 +224,7 @@ class LLMEngine:
         Plain reads of counters: safe to call from another thread, where
         the figures are a snapshot that may be one step old.
         """
-        bm = self.block_manager
+        bm, runner = self.block_manager, self.runner
         return EngineStats(
             model=model,
             num_running=self.scheduler.num_running,
@@ -233,6 +233,10 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            device=str(runner.device),
+            kv_cache_tokens=runner.num_blocks * self.config.block_size,
+            kv_cache_bytes=runner.num_blocks * runner.block_bytes,
         )
 
     # -- the step ------------------------------------------------------

@@ -79,7 +79,8 @@ class EngineStats:
     ``num_running``/``num_waiting`` count sequences; ``kv_cache_usage`` is the
     fraction of KV blocks held by sequences (free blocks kept for the prefix
     cache do not count); the prefix-cache figures count prompt tokens looked
-    up and found since the engine started.
+    up and found since the engine started. ``dtype``, ``device`` and the KV
+    cache's size (tokens, bytes) describe the engine and never change.
     """
 
     model: str
@@ -89,6 +90,10 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    dtype: str = ""
+    device: str = ""
+    kv_cache_tokens: int = 0
+    kv_cache_bytes: int = 0
 
 
 @dataclass
