@@ -68,7 +68,7 @@ def page(browser: Browser, request: pytest.FixtureRequest) -> Iterator[Page]:
     ARTIFACTS.mkdir(exist_ok=True)
     name = re.sub(r"[^\w.-]+", "_", request.node.name)
     try:
-        page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+        page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True, timeout=WAIT_S * 1000)
     finally:
         context.close()
 
