@@ -21,7 +21,8 @@ ARG TORCH_VARIANT=cpu
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    INSTALL_BROWSER=0
 
 # gcc builds servelm's CPU kernels on first start, for the host's CPU
 # (servelm/kernels); without it the server runs, with slower CPU decoding.
@@ -42,7 +43,7 @@ RUN TORCH_VERSION="$(sed -n 's/^TORCH_VERSION := *//p' Makefile)" \
 
 COPY pyproject.toml README.md ./
 COPY servelm ./servelm
-RUN make setup INSTALL_BROWSER=0
+RUN make setup
 
 COPY servelm.yaml ./
 
