@@ -12,22 +12,40 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+
+from servelm.api.request_model import RequestModel
 
 # Bounded so a huge id is a 400 here rather than an overflow in the engine;
 # the engine still checks ids against its vocabulary.
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = list[TokenId]
+
+
+def check_token_id_lists(value: Any) -> Any:
+    """A clear error for a token id prompt with an id out of range.
+
+    Without it a union of string and token-list forms reports the first
+    member's complaint ("should be a valid string") for ``[-1]``.
+    """
+    if not isinstance(value, list):
+        return value
+    rows = value if value and all(isinstance(v, list) for v in value) else [value]
+    for r, row in enumerate(rows):
+        for c, tok in enumerate(row):
+            if isinstance(tok, int) and not isinstance(tok, bool) and not 0 <= tok <= MAX_TOKEN_ID:
+                where = f"[{r}][{c}]" if rows is value else f"[{c}]"
+                raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]; item {where} is {tok}")
+    return value
 
 
 def _absent(value: Any) -> bool:
     return value is None or value == [] or value == {}
 
 
-class OpenAIRequest(BaseModel):
-    """Base of every request body: unknown fields are errors."""
-
-    model_config = ConfigDict(extra="forbid")
+class OpenAIRequest(RequestModel):
+    """Base of every request body: unknown fields are errors (and see :class:`RequestModel`)."""
 
     # field name -> predicate that is true for the values servelm can honour
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {}
@@ -41,10 +59,8 @@ class OpenAIRequest(BaseModel):
         return None
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     """``stream_options``: usage reporting on streams."""
-
-    model_config = ConfigDict(extra="forbid")
 
     include_usage: bool | None = Field(False, description="Send a last chunk with usage and empty choices.")
     include_obfuscation: bool | None = Field(
@@ -80,7 +96,7 @@ class SamplingFields(OpenAIRequest):
 # --- chat completions -------------------------------------------------------
 
 
-class ContentPart(BaseModel):
+class ContentPart(RequestModel):
     """One part of a message's content; only ``type: "text"`` is supported."""
 
     model_config = ConfigDict(extra="allow")
@@ -89,10 +105,8 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     """A chat message in the request."""
-
-    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -270,6 +284,8 @@ class CompletionRequest(SamplingFields):
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {"suffix": lambda v: v == ""}
 
+    _token_ids = field_validator("prompt", mode="before")(check_token_id_lists)
+
 
 class CompletionLogprobs(BaseModel):
     """Legacy completions logprobs: parallel lists, one entry per token."""
@@ -314,6 +330,8 @@ class EmbeddingRequest(OpenAIRequest):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, description="Only the model's own dimension is accepted.")
     user: str | None = None
+
+    _token_ids = field_validator("input", mode="before")(check_token_id_lists)
 
 
 class EmbeddingData(BaseModel):

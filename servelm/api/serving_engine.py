@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from servelm.api.errors import APIError, ClientDisconnected, ServerShuttingDown
+from servelm.api.errors import APIError, ClientDisconnected, ServerShuttingDown, json_value
 from servelm.api.lifecycle import Lifecycle
 from servelm.api.metrics import Metrics
 from servelm.api.protocol import ChatMessage, SamplingFields
@@ -191,7 +191,7 @@ def check_supported(req: Any) -> None:
     name = req.unsupported_param()
     if name is not None:
         raise APIError(
-            f"'{name}' is not supported by servelm (value: {getattr(req, name)!r}).", status=400, param=name
+            f"'{name}' is not supported by servelm (value: {json_value(getattr(req, name))}).", status=400, param=name
         )
     if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
         raise APIError("stream_options can only be set when stream is true.", status=400, param="stream_options")
