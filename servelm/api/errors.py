@@ -17,8 +17,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from servelm.api.access_log import request_record
 from servelm.api.request_model import SURROGATE_ERROR
 from servelm.connectors.base import ConnectorError, ContextLengthExceeded
 from servelm.engine.context_limit import context_length_error
@@ -292,9 +294,12 @@ class CatchAllMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception:
-            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            record = request_record(HTTPConnection(scope))
+            request_id = record.request_id if record is not None else "-"
+            logger.exception("unhandled error in %s %s (request %s)", scope.get("method"), scope.get("path"), request_id)
             if started:
                 return  # too late for a status; the stream just ends
             err = api_error_from(RuntimeError())
-            response = error_response(err.status, err.message, type=err.type)
+            message = f"{err.message.rstrip('.')} (request id {request_id})."
+            response = error_response(err.status, message, type=err.type)
             await response(scope, receive, send)

@@ -53,7 +53,8 @@ async def not_ready_error(connector: Connector) -> APIError:
     with Retry-After) or down for good (``engine_dead``)."""
     fatal = await connector.fatal_error()
     if fatal is not None:
-        return APIError(f"The engine is down: {fatal}.", status=503, code="engine_dead")
+        # Why is for the server log (where the server prints it as it exits), not for clients.
+        return APIError("The engine is down; the server is exiting.", status=503, code="engine_dead")
     return APIError(
         "The server is not ready: models are still loading. Retry shortly.",
         status=503,

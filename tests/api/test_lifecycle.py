@@ -65,6 +65,7 @@ def test_ready_and_health_while_loading_and_after_the_engine_died():
         fake.healthy, fake.fatal = False, "the engine loop died: RuntimeError('boom')"
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert "boom" not in r.text and "RuntimeError" not in r.text  # internals stay in the log
         r = httpx.post(url + "/v1/chat/completions", json=CHAT)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
 
