@@ -251,7 +251,9 @@ def install_exception_handlers(app: FastAPI) -> None:
         elif status == 405:
             message, code = f"Method {request.method} is not allowed for {request.url.path}", "method_not_allowed"
         elif status == 400 and exc.detail == _UNPARSABLE_BODY:
-            message = "The request body is not valid JSON: it could not be decoded (invalid UTF-8, or nested too deeply)."
+            message = (
+                "The request body is not valid JSON: it could not be decoded (invalid UTF-8, or nested too deeply)."
+            )
             code = "invalid_json"
         else:
             message, code = str(exc.detail), None
@@ -296,7 +298,9 @@ class CatchAllMiddleware:
         except Exception:
             record = request_record(HTTPConnection(scope))
             request_id = record.request_id if record is not None else "-"
-            logger.exception("unhandled error in %s %s (request %s)", scope.get("method"), scope.get("path"), request_id)
+            logger.exception(
+                "unhandled error in %s %s (request %s)", scope.get("method"), scope.get("path"), request_id
+            )
             if started:
                 return  # too late for a status; the stream just ends
             err = api_error_from(RuntimeError())

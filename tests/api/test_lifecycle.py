@@ -121,7 +121,9 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(stream):
         if stream:
             thread, result = in_thread(lambda: stream_chat(url))
         else:
-            thread, result = in_thread(lambda: httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=SAFETY_NET_S))
+            thread, result = in_thread(
+                lambda: httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=SAFETY_NET_S)
+            )
         wait_for(fake.held.is_set)
         srv.sigterm()
         thread.join(timeout=SAFETY_NET_S)

@@ -25,6 +25,10 @@ CHAT = {"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "m
 COMPLETION = {"model": "fake-chat", "prompt": "x", "max_tokens": 5}
 
 
+def user(content: Any) -> dict:
+    return {"role": "user", "content": content}
+
+
 def error_of(r, status: int = 400) -> dict:
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -67,7 +71,8 @@ async def test_an_integer_is_a_number(client):
 
 
 async def test_messages_print_values_as_json(client):
-    r = await client.post("/v1/chat/completions", json={**CHAT, "response_format": {"type": "json_schema", "strict": True}})
+    schema = {"type": "json_schema", "strict": True}
+    r = await client.post("/v1/chat/completions", json={**CHAT, "response_format": schema})
     err = error_of(r)
     assert '"strict": true' in err["message"] and "True" not in err["message"]
     r = await client.post("/v1/embeddings", json={"model": "fake-embed", "input": "x", "encoding_format": "hex"})
@@ -141,7 +146,7 @@ async def test_null_on_a_required_field_is_still_an_error(client):
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+        ("/v1/chat/completions", {**CHAT, "messages": [user("a\ud800b")]}, "messages[0].content"),
         (
             "/v1/chat/completions",
             {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
@@ -154,7 +159,7 @@ async def test_null_on_a_required_field_is_still_an_error(client):
         ("/v1/completions", {**COMPLETION, "prompt": ["ok", "\ud800"]}, "prompt[1]"),
         ("/v1/embeddings", {"model": "fake-embed", "input": "\ud800"}, "input"),
         ("/tokenize", {"model": "fake-chat", "prompt": "a\ud800"}, "prompt"),
-        ("/tokenize", {"model": "fake-chat", "messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        ("/tokenize", {"model": "fake-chat", "messages": [user("\ud800")]}, "messages[0].content"),
     ],
 )
 async def test_a_lone_surrogate_is_a_400_naming_the_field(client, fake, path, body, param):
@@ -164,7 +169,7 @@ async def test_a_lone_surrogate_is_a_400_naming_the_field(client, fake, path, bo
 
 
 async def test_a_paired_surrogate_is_fine(client):
-    r = await post_raw(client, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\U0001f600"}]})
+    r = await post_raw(client, "/v1/chat/completions", {**CHAT, "messages": [user("\U0001f600")]})
     assert r.status_code == 200, r.text
 
 

@@ -67,9 +67,8 @@ def gate(connector, monkeypatch) -> Gate:
     tok = connector.engine.engine.tokenizer
     monkeypatch.setattr(tok, "encode", gate.wrap(tok.encode, lambda text, **_: len(text)))
     monkeypatch.setattr(tok, "decode", gate.wrap(tok.decode, lambda ids, **_: len(ids)))
-    monkeypatch.setattr(
-        tok, "apply_chat_template", gate.wrap(tok.apply_chat_template, lambda messages, **_: len(messages[0]["content"]))
-    )
+    render = gate.wrap(tok.apply_chat_template, lambda messages, **_: len(messages[0]["content"]))
+    monkeypatch.setattr(tok, "apply_chat_template", render)
     return gate
 
 

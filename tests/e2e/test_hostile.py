@@ -88,7 +88,8 @@ async def _stream(client: httpx.AsyncClient, body: dict, first: asyncio.Event) -
                        for e in events[-1:]):
                     first.set()
     first.set()
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if isinstance(e, dict) and e.get("choices"))
+    chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks)
     return text, events
 
 

@@ -227,7 +227,7 @@ def _disconnect_storm(url: str, http: httpx.Client) -> None:
 def _stream_in_thread(
     url: str, body: dict, first_event: threading.Event, leave: threading.Event | None = None
 ) -> tuple[threading.Thread, list]:
-    """Stream ``body`` in a thread; ``first_event`` is set at the first event; the client leaves when ``leave`` is set."""
+    """Stream ``body`` in a thread, setting ``first_event`` at its first event; the client leaves once ``leave`` is set."""
     result: list = []
 
     def run() -> None:
