@@ -205,8 +205,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
         where = (err.get("ctx") or {}).get("field") or ""
         param = ".".join(p for p in (param, where) if p).replace(".[", "[") or None
         return APIError(
-            f"Invalid value for '{param}': the string holds a lone UTF-16 surrogate (e.g. \\ud800), "
-            "which is not valid Unicode text.",
+            f"Invalid value for '{param or 'body'}': a string (or key) holds a lone UTF-16 surrogate "
+            "(e.g. \\ud800), which is not valid Unicode text.",
             status=400,
             param=param,
         )
@@ -216,7 +216,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 
 def json_value(value: Any) -> str:
-    """``value`` as compact JSON for an error message (``true``, not ``True``); shortened if long."""
+    """``value`` as JSON for an error message (``true``, not ``True``); shortened if long."""
     try:
         text = json.dumps(value, separators=(", ", ": "), default=str)
     except (TypeError, ValueError):

@@ -215,7 +215,7 @@ class LLMEngine:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            req.error = f"the engine failed while running request {rid}; the server log has the details"
+            req.error = f"see the server log under request id {rid}"
             for state in req.choices:
                 if not state.output.finished:
                     state.output.finish_reason = "error"

@@ -155,6 +155,7 @@ async def test_null_on_a_required_field_is_still_an_error(client):
         ("/v1/chat/completions", {**CHAT, "model": "\ud800"}, "model"),
         ("/v1/chat/completions", {**CHAT, "stop": ["ok", "x\udc00"]}, "stop[1]"),
         ("/v1/chat/completions", {**CHAT, "metadata": {"k\ud800": "v"}}, "metadata"),
+        ("/v1/chat/completions", {**CHAT, "\udfff": 1}, None),
         ("/v1/completions", {**COMPLETION, "prompt": "a\udfffb"}, "prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": ["ok", "\ud800"]}, "prompt[1]"),
         ("/v1/embeddings", {"model": "fake-embed", "input": "\ud800"}, "input"),
