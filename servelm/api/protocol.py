@@ -10,35 +10,11 @@ the harmless one is rejected by name. Responses mirror OpenAI's shapes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
-from servelm.api.request_model import RequestModel
-
-# Bounded so a huge id is a 400 here rather than an overflow in the engine;
-# the engine still checks ids against its vocabulary.
-MAX_TOKEN_ID = 2**31 - 1
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-TokenIds = list[TokenId]
-
-
-def check_token_id_lists(value: Any) -> Any:
-    """A clear error for a token id prompt with an id out of range.
-
-    Without it a union of string and token-list forms reports the first
-    member's complaint ("should be a valid string") for ``[-1]``.
-    """
-    if not isinstance(value, list):
-        return value
-    rows = value if value and all(isinstance(v, list) for v in value) else [value]
-    for r, row in enumerate(rows):
-        for c, tok in enumerate(row):
-            if isinstance(tok, int) and not isinstance(tok, bool) and not 0 <= tok <= MAX_TOKEN_ID:
-                where = f"[{r}][{c}]" if rows is value else f"[{c}]"
-                raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]; item {where} is {tok}")
-    return value
-
+from servelm.api.request_model import RequestModel, TokenIds, check_token_id_lists
 
 def _absent(value: Any) -> bool:
     return value is None or value == [] or value == {}

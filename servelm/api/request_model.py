@@ -16,20 +16,44 @@ included, so no handler has to remember them:
   one, anywhere in the body (keys too), is a 400 naming the field.
 
 Unknown fields stay errors (``extra="forbid"``) unless a schema says
-otherwise.
+otherwise. Token id prompts get their range checked here too, with a message
+that names the bad item.
 """
 
 from __future__ import annotations
 
 import types
 import typing
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 # The error type a lone surrogate raises; errors.py names the field from its context.
 SURROGATE_ERROR = "string_unpaired_surrogate"
+
+# Bounded so a huge id is a 400 here rather than an overflow in the engine;
+# the engine still checks ids against its vocabulary.
+MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+TokenIds = list[TokenId]
+
+
+def check_token_id_lists(value: Any) -> Any:
+    """A clear error for a token id prompt with an id out of range.
+
+    Without it a union of string and token-list forms reports the first
+    member's complaint ("should be a valid string") for ``[-1]``.
+    """
+    if not isinstance(value, list):
+        return value
+    rows = value if value and all(isinstance(v, list) for v in value) else [value]
+    for r, row in enumerate(rows):
+        for c, tok in enumerate(row):
+            if isinstance(tok, int) and not isinstance(tok, bool) and not 0 <= tok <= MAX_TOKEN_ID:
+                where = f"[{r}][{c}]" if rows is value else f"[{c}]"
+                raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]; item {where} is {tok}")
+    return value
 
 
 def _allows_none(annotation: Any) -> bool:

@@ -255,8 +255,8 @@ def _sample(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> 
         return random_choice(probs, [s.generator for s in states])
     # The draw still runs for every row, so seeded rows consume their generators as always.
     tokens = random_choice(torch.where(degenerate[:, None], 1.0, probs), [s.generator for s in states])
-    rows = degenerate.nonzero()[:, 0]
-    tokens[rows] = greedy_tokens(processed[rows], raw[rows])
+    bad = degenerate.nonzero()[:, 0]
+    tokens[bad] = greedy_tokens(processed[bad], raw[bad])
     return tokens
 
 
