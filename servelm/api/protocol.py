@@ -38,6 +38,8 @@ class OpenAIRequest(RequestModel):
 class StreamOptions(RequestModel):
     """``stream_options``: usage reporting on streams."""
 
+    SCAN_TEXT: ClassVar[bool] = False  # always inside a request body, which scans it
+
     include_usage: bool | None = Field(False, description="Send a last chunk with usage and empty choices.")
     include_obfuscation: bool | None = Field(
         None, description="Accepted; servelm adds no obfuscation padding to stream events."
@@ -76,6 +78,7 @@ class ContentPart(RequestModel):
     """One part of a message's content; only ``type: "text"`` is supported."""
 
     model_config = ConfigDict(extra="allow")
+    SCAN_TEXT: ClassVar[bool] = False  # always inside a request body, which scans it
 
     type: str
     text: str | None = None
@@ -83,6 +86,8 @@ class ContentPart(RequestModel):
 
 class ChatMessage(RequestModel):
     """A chat message in the request."""
+
+    SCAN_TEXT: ClassVar[bool] = False  # always inside a request body, which scans it
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None

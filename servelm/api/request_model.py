@@ -78,6 +78,32 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
+# Types that hold no text: a list of only these (a token id prompt) is skipped whole.
+_NO_TEXT = frozenset({int, float, bool, type(None)})
+
+
+def _any_surrogate(value: Any) -> bool:
+    """Whether any string (or key) in ``value`` holds a lone surrogate: the fast check, no paths built.
+
+    It runs on the event loop for every request, so it stays cheap on big
+    bodies: a long string costs one ``isascii`` (C), and a list of numbers
+    (a million token ids) is cleared by one pass over its element types (C).
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is str:
+            if _has_surrogate(item):
+                return True
+        elif kind is dict:
+            stack.extend(item)
+            stack.extend(item.values())
+        elif kind is list and not set(map(type, item)) <= _NO_TEXT:
+            stack.extend(item)
+    return False
+
+
 def find_surrogate(value: Any, path: str = "") -> str | None:
     """The JSON path (``messages[0].content``) of the first string in ``value`` holding a lone surrogate."""
     stack: list[tuple[Any, str]] = [(value, path)]
@@ -106,6 +132,9 @@ class RequestModel(BaseModel):
 
     # Fields with a default whose type has no None: a null there is dropped (set per subclass).
     NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+    # Whether this model scans its input for lone surrogates. Schemas that only
+    # ever sit inside a request body turn it off: the body's scan covers them.
+    SCAN_TEXT: ClassVar[bool] = True
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -124,7 +153,7 @@ class RequestModel(BaseModel):
         drop = cls.NULL_MEANS_DEFAULT
         if drop and any(data.get(name, 0) is None for name in drop):
             data = {k: v for k, v in data.items() if not (v is None and k in drop)}
-        where = find_surrogate(data)
+        where = find_surrogate(data) if cls.SCAN_TEXT and _any_surrogate(data) else None
         if where is not None:
             raise PydanticCustomError(
                 SURROGATE_ERROR,
