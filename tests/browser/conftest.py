@@ -78,7 +78,7 @@ def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             total += float(line.rsplit(" ", 1)[1])
     return total
 

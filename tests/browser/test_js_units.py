@@ -9,17 +9,18 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Iterator
+from typing import ClassVar
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from playwright.sync_api import Browser, Page
+from playwright.sync_api import Page
 
 from servelm.web import STATIC_DIR
 
 
 class _Handler(SimpleHTTPRequestHandler):
     # Module scripts load only with a JavaScript MIME type.
-    extensions_map = {**SimpleHTTPRequestHandler.extensions_map, ".js": "text/javascript", ".mjs": "text/javascript"}
+    extensions_map: ClassVar[dict[str, str]] = {**SimpleHTTPRequestHandler.extensions_map, ".js": "text/javascript", ".mjs": "text/javascript"}
 
     def log_message(self, *args: object) -> None:
         pass
