@@ -33,13 +33,16 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 WAIT_S = 120.0  # safety net for states reached on a loaded machine; tests wait on states, never on time
 
 
-@pytest.fixture(scope="session")
+# Module-scoped, not session-scoped: Playwright's sync API runs an event loop in
+# this thread while it is open, and pytest-asyncio tests collected after the
+# browser tests (tests/connectors, tests/engine...) could not start their own.
+@pytest.fixture(scope="module")
 def playwright() -> Iterator[Playwright]:
     with sync_playwright() as p:
         yield p
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(playwright: Playwright) -> Iterator[Browser]:
     if not CHROMIUM.exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make browser` (Debian's chromium package)")
