@@ -46,6 +46,7 @@ def _flag_names() -> dict[str, str]:
         "cors_origins": "--cors-origin",
         "enable_prefix_caching": "--[no-]prefix-caching",
         "metrics_require_auth": "--[no-]metrics-require-auth",
+        "prefix_routing": "--[no-]prefix-routing",
         "rate_limits": "--rate-limit-rpm",
         "rate_limits.default.requests_per_minute": "--rate-limit-rpm",
         "rate_limits.default.tokens_per_minute": "--rate-limit-tpm",
@@ -108,6 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--queue-timeout", metavar="SECONDS", help=f"a request still waiting to start after this long is aborted and gets 429 with Retry-After (default: {d('queue_timeout'):g})")
     g.add_argument("--request-timeout", metavar="SECONDS", help="a request running longer than this is aborted and gets 408 request_timeout (a stream: an error event, then [DONE]) (default: no limit)")
     g.add_argument("--shutdown-timeout", metavar="SECONDS", help=f"on SIGTERM or Ctrl-C: stop admitting (503 with Retry-After), give requests in flight this long to finish, abort the rest with an error, exit 0; a second signal stops at once (default: {d('shutdown_timeout'):g})")
+    g = serve.add_argument_group(
+        "scale-out on Ray Serve",
+        "Run the engines as replicas of a Ray Serve deployment, on this machine or a Ray cluster (see docs/DEPLOY.md). "
+        "Without --replicas, --ray-address or --min/--max-replicas the engine runs in this process and Ray is not loaded.",
+    )
+    g.add_argument("--replicas", metavar="N", help="engine replicas; alone, starts a local Ray cluster inside the server (default: no Ray)")
+    g.add_argument("--ray-address", metavar="HOST:PORT", help="join the Ray cluster at HOST:PORT, or 'auto' for the one on this machine (started with 'ray start --head'); unreachable: exit status 2 (default: start one)")
+    g.add_argument("--replica-cpus", metavar="N", help=f"CPUs Ray reserves for each replica (default: {d('replica_cpus'):g})")
+    g.add_argument("--replica-gpus", metavar="N", help=f"GPUs Ray reserves for each replica (default: {d('replica_gpus'):g})")
+    g.add_argument("--min-replicas", metavar="N", help="autoscale between --min-replicas and --max-replicas on requests in flight per replica (default: no autoscaling)")
+    g.add_argument("--max-replicas", metavar="N", help="see --min-replicas")
+    g.add_argument("--target-ongoing-requests", metavar="N", help=f"autoscaling: requests in flight per replica Serve aims for (default: {d('target_ongoing_requests'):g})")
+    g.add_argument("--prefix-routing", action=argparse.BooleanOptionalAction, help="send a request to the replica that holds its prompt prefix in cache unless it is much busier than the others; --no-prefix-routing: load only (default: on)")
+    g.add_argument("--ray-app-name", metavar="NAME", help=f"name of the Serve application, one per servelm server on a cluster (default: {d('ray_app_name')})")
     g = serve.add_argument_group("rate limits", "Per API key (per client address when no keys are set), on /v1/chat/completions, /v1/completions and /v1/embeddings; per-key overrides go in the config file (rate_limits.keys). Off by default.")
     g.add_argument("--rate-limit-rpm", metavar="N", help="requests per minute for each client (default: unlimited)")
     g.add_argument("--rate-limit-tpm", metavar="N", help="tokens per minute for each client: prompt plus max_tokens reserved, corrected to actual use (default: unlimited)")
@@ -347,14 +362,31 @@ def serve(settings: Settings, out: TextIO = sys.stderr) -> int:
                 return 2
 
     from servelm.api import create_app
-    from servelm.connectors.local import LocalConnector
 
-    connector = LocalConnector(
-        settings.model,
-        settings.embedding_model,
-        settings.engine_config(),
-        served_model_name=settings.served_model_name,
-    )
+    connector: Any
+    if settings.use_ray:
+        # Imported only here: the default path never loads Ray.
+        from servelm.connectors.ray import RayConnector
+        from servelm.connectors.ray_cluster import RayClusterError
+        from servelm.connectors.ray_deploy import plan_from_settings
+
+        connector = RayConnector(plan_from_settings(settings), settings.ray_address)
+        where = settings.ray_address or "a local Ray cluster"
+        say(f"connecting to {where}")
+        try:
+            connector.connect()
+        except RayClusterError as exc:
+            say(f"error: --ray-address: {exc}" if settings.ray_address else f"error: {exc}")
+            return 2
+    else:
+        from servelm.connectors.local import LocalConnector
+
+        connector = LocalConnector(
+            settings.model,
+            settings.embedding_model,
+            settings.engine_config(),
+            served_model_name=settings.served_model_name,
+        )
     listening = threading.Event()
     app = create_app(connector, settings)
     server = ServelmServer(app, settings, on_ready=lambda url: listening.set())

@@ -204,6 +204,27 @@ class Settings(BaseSettings):
         30.0, ge=0, description="On SIGTERM or Ctrl-C: seconds requests in flight get to finish before they are aborted."
     )
 
+    # scale-out on Ray Serve: any of replicas, ray_address, min/max_replicas turns it on
+    replicas: int | None = Field(
+        None, ge=1, description="Engine replicas on Ray Serve (a local Ray cluster unless ray_address is set)."
+    )
+    ray_address: str | None = Field(
+        None, description="Join the Ray cluster at HOST:PORT (or auto) instead of starting one here."
+    )
+    replica_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each replica.")
+    replica_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica.")
+    min_replicas: int | None = Field(None, ge=1, description="Autoscaling: fewest replicas.")
+    max_replicas: int | None = Field(None, ge=1, description="Autoscaling: most replicas.")
+    target_ongoing_requests: float = Field(
+        16.0, gt=0, description="Autoscaling: requests in flight per replica that Serve aims for."
+    )
+    prefix_routing: bool = Field(
+        True, description="Send requests sharing a prompt prefix to the replica that has it cached (load permitting)."
+    )
+    ray_app_name: str = Field(
+        "servelm", pattern=r"^[A-Za-z0-9_.-]+$", description="Name of the Serve application (one per server)."
+    )
+
     # rate limits
     rate_limits: RateLimits = Field(default_factory=RateLimits)
     rate_limit_storage: str = Field(
@@ -269,6 +290,33 @@ class Settings(BaseSettings):
                     f"rate_limits.keys has a key that is not one of api_keys (ending ...{unknown[0][-4:]})"
                 )
         return self
+
+    @field_validator("ray_address", mode="before")
+    @classmethod
+    def _blank_is_none(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _replica_counts(self) -> Settings:
+        low, high = self.min_replicas, self.max_replicas
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_replicas ({low}) must be <= max_replicas ({high})")
+        outside = self.replicas is not None and (
+            (low is not None and self.replicas < low) or (high is not None and self.replicas > high)
+        )
+        if outside:
+            raise ValueError(
+                f"replicas ({self.replicas}) is the initial count with autoscaling and must lie "
+                f"between min_replicas and max_replicas"
+            )
+        return self
+
+    @property
+    def use_ray(self) -> bool:
+        """True when the engines run as replicas on Ray Serve rather than in this process."""
+        return any(v is not None for v in (self.replicas, self.ray_address, self.min_replicas, self.max_replicas))
 
     @field_validator("max_waiting", "queue_timeout", "request_timeout", mode="before")
     @classmethod

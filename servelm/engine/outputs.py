@@ -89,6 +89,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    replica: str | None = None  # which replica of a Ray deployment; None: this process, or a sum
 
 
 @dataclass
