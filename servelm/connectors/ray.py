@@ -61,8 +61,11 @@ class RayConnector:
         *,
         handle: Any = None,
         board_reader: Callable[[], Any] | None = None,
+        prefix_routing: bool | None = None,
     ):
         self.plan = plan
+        # Whether the router may route this front end's requests by prompt prefix.
+        self.prefix_routing = prefix_routing if prefix_routing is not None else (plan.prefix_routing if plan else True)
         self.ray_address = ray_address
         self.handle = handle
         self._board_reader = board_reader
@@ -88,6 +91,12 @@ class RayConnector:
         try:
             if self._cluster is None and self.handle is None:
                 self.connect()
+            if self.handle is None and self.plan.attach_if_running:
+                from servelm.connectors import ray_deploy
+
+                self.handle = ray_deploy.running_handle(self.plan)
+                if self.handle is not None:
+                    say(f"attaching to the running Serve application {self.plan.app_name!r}")
             if self.handle is None:
                 from servelm.connectors import ray_deploy
 
@@ -227,7 +236,13 @@ class RayConnector:
             if any(c.id == model for c in cards):
                 raise ConnectorError(f"The model `{model}` does not support generation.", param="model")
             raise ModelNotFound(model)
-        request = {"model": model, "request_id": request_id, "prompt": prompt, "params": params}
+        request = {
+            "model": model,
+            "request_id": request_id,
+            "prompt": prompt,
+            "params": params,
+            "prefix_routing": self.prefix_routing,
+        }
         stream = resumable_stream(request, lambda r: self._open(request_id, r), is_replica_failure)
         try:
             async for out in stream:

@@ -77,6 +77,9 @@ def connect(address: str | None, num_cpus: float | None = None, num_gpus: float 
     """
     if address is None:
         prepare_local_env()
+        # Without --ray-address the cluster is this server's own, even where
+        # RAY_ADDRESS names another (pass --ray-address auto to use that).
+        os.environ.pop("RAY_ADDRESS", None)
     elif address != "auto":
         _check_reachable(address)
     import ray

@@ -43,6 +43,8 @@ class ReplicaPlan:
     prefix_routing: bool = True
     max_ongoing_requests: int = 256
     namespace: str = "servelm"
+    # No replica count was given: use the application if it already runs.
+    attach_if_running: bool = False
 
     @property
     def stats_board(self) -> str:
@@ -92,6 +94,7 @@ def plan_from_settings(settings: Any) -> ReplicaPlan:
         replica_gpus=settings.replica_gpus,
         prefix_routing=settings.prefix_routing,
         max_ongoing_requests=max(settings.max_num_seqs * 4, 64),
+        attach_if_running=settings.replicas is None and settings.min_replicas is None and settings.max_replicas is None,
     )
 
 
@@ -149,17 +152,13 @@ def deploy(plan: ReplicaPlan, say=print, timeout_s: float = DEPLOY_TIMEOUT_S):
     Serve's own explanation (resources wanted and available) once Serve
     reports them stuck, rather than waiting forever.
     """
-    import ray
     from ray import serve
     from ray.serve.api import RunTarget
 
-    from servelm.connectors.ray_stats import StatsBoard
+    from servelm.connectors.ray_stats import stats_board
 
     check_fits(plan)
-    board_cls = ray.remote(num_cpus=0)(StatsBoard)
-    board_cls.options(
-        name=plan.stats_board, namespace=plan.namespace, lifetime="detached", get_if_exists=True
-    ).remote()
+    stats_board(plan.stats_board, plan.namespace)
     serve.start(http_options={"location": "NoServer"})
     serve.run_many(
         [RunTarget(build_app(plan), name=plan.app_name, route_prefix=None)],
@@ -184,6 +183,34 @@ def deploy(plan: ReplicaPlan, say=print, timeout_s: float = DEPLOY_TIMEOUT_S):
             raise RayClusterError(f"the replicas were not running after {timeout_s:.0f} s: {message or status}")
         time.sleep(0.5)
     return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=plan.app_name)
+
+
+def running_handle(plan: ReplicaPlan):
+    """The handle of ``plan``'s application if it already runs on the cluster (``serve deploy``,
+    a KubeRay RayService, another servelm front end), else None."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(plan.app_name)
+    except Exception:  # noqa: BLE001 - no Serve on this cluster yet
+        return None
+    if app is None or str(app.status.value) != "RUNNING" or DEPLOYMENT_NAME not in app.deployments:
+        return None
+    return serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=plan.app_name)
+
+
+def build_app_from_args(args: dict[str, Any]):
+    """Serve application builder: ``import_path: servelm.connectors.ray_deploy:build_app_from_args``.
+
+    ``args`` are servelm settings (``model``, ``replicas``, ``replica_cpus``,
+    ``min_replicas``, ``kv_cache_memory``, ...; the keys of servelm.yaml), so
+    a Serve config file or a KubeRay RayService deploys the same replicas
+    ``servelm serve --replicas`` would. A front end then attaches with
+    ``servelm serve --ray-address HOST:PORT`` (docs/DEPLOY.md).
+    """
+    from servelm.settings import Settings
+
+    return build_app(plan_from_settings(Settings(**args)))
 
 
 def _status_message(app) -> str:

@@ -193,11 +193,13 @@ class EngineReplica:
         # A thread, so reports go on while the event loop is busy streaming.
         import ray
 
+        from servelm.connectors.ray_stats import stats_board
+
         board = None
         while not self._stop.is_set():
             try:
                 if board is None:
-                    board = ray.get_actor(self._stats_name, namespace=self.spec["namespace"])
+                    board = stats_board(self._stats_name, self.spec["namespace"])
                 ray.get(board.put.remote(self._stats()), timeout=5.0)
             except Exception:  # noqa: BLE001 - the board may be restarting; try again next period
                 board = None

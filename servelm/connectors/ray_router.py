@@ -14,12 +14,17 @@ API, ``RequestRouterConfig(request_router_class=...)``).
   longest known prefix, whose prefix cache most likely still holds it,
   unless that replica has ``imbalance`` more ongoing requests than the
   least loaded one (the load guard). Then it falls back to the two choices.
+  A shared prefix shorter than ``min_prefix_blocks`` (a chat template's
+  default system prompt) earns no affinity: recomputing it costs less than
+  piling every request onto one replica. A long prefix seen for the first
+  time goes to the replica caching the fewest prefix blocks, load
+  permitting, so the shared prompts spread evenly over the caches.
 """
 
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from ray.serve.request_router import (
@@ -36,6 +41,8 @@ from ray.serve.request_router import (
 MAX_PREFIX_BLOCKS = 128
 # Keys remembered (least recently used dropped first).
 MAX_KEYS = 200_000
+# Requests chosen for but not yet routed whose keys are kept.
+MAX_PENDING = 10_000
 
 
 def prefix_keys(token_ids: list[int], block_size: int, max_blocks: int = MAX_PREFIX_BLOCKS) -> list[int]:
@@ -49,52 +56,72 @@ def prefix_keys(token_ids: list[int], block_size: int, max_blocks: int = MAX_PRE
 
 
 class PrefixTable:
-    """Which replica last served each prompt prefix (pure logic, tested without Ray)."""
+    """Which replica last served each prompt prefix (pure logic, tested without Ray).
+
+    ``blocks[replica]`` counts the prefix blocks a replica owns: a measure of
+    how much of the shared prompts it caches, to give new prefixes to the
+    replica with the least.
+    """
 
     def __init__(self, max_keys: int = MAX_KEYS):
         self.max_keys = max_keys
         self.owner: OrderedDict[int, Any] = OrderedDict()
+        self.blocks: Counter[Any] = Counter()
 
-    def lookup(self, keys: list[int], alive: set[Any]) -> Any | None:
-        """The replica holding the longest of ``keys`` among ``alive``, or None."""
-        for key in reversed(keys):
-            replica = self.owner.get(key)
+    def lookup(self, keys: list[int], alive: set[Any], min_blocks: int = 1) -> Any | None:
+        """The replica holding the longest of ``keys`` among ``alive``, if that prefix has at least
+        ``min_blocks`` blocks; else None."""
+        for n in range(len(keys), min_blocks - 1, -1):
+            if n == 0:
+                break
+            replica = self.owner.get(keys[n - 1])
             if replica is not None and replica in alive:
-                self.owner.move_to_end(key)
+                self.owner.move_to_end(keys[n - 1])
                 return replica
         return None
 
     def record(self, keys: list[int], replica: Any) -> None:
         for key in keys:
+            old = self.owner.get(key)
+            if old != replica:
+                if old is not None:
+                    self.blocks[old] -= 1
+                self.blocks[replica] += 1
             self.owner[key] = replica
             self.owner.move_to_end(key)
         while len(self.owner) > self.max_keys:
-            self.owner.popitem(last=False)
+            _, old = self.owner.popitem(last=False)
+            self.blocks[old] -= 1
 
     def forget(self, replica: Any) -> None:
         for key in [k for k, r in self.owner.items() if r == replica]:
             del self.owner[key]
+        self.blocks.pop(replica, None)
 
 
-def request_prompt(pending_request: PendingRequest | None) -> list[int] | None:
-    """The prompt token ids of a ``EngineReplica.generate`` call, if that is what is routed."""
+def routed_request(pending_request: PendingRequest | None) -> dict[str, Any] | None:
+    """The request dict of an ``EngineReplica.generate`` call, if that is what is routed."""
     if pending_request is None or not pending_request.args:
         return None
     request = pending_request.args[0]
-    if isinstance(request, dict):
-        prompt = request.get("prompt")
-        if isinstance(prompt, list):
-            return prompt
-    return None
+    return request if isinstance(request, dict) and isinstance(request.get("prompt"), list) else None
 
 
 class PrefixAwareRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
     """Power of two choices on ongoing requests, with prefix affinity under a load guard."""
 
-    def initialize_state(self, prefix_routing: bool = True, block_size: int = 16, imbalance: int = 8, **kwargs: Any):
+    def initialize_state(
+        self,
+        prefix_routing: bool = True,
+        block_size: int = 16,
+        imbalance: int = 8,
+        min_prefix_blocks: int = 4,
+        **kwargs: Any,
+    ):
         self.prefix_routing = prefix_routing
         self.block_size = block_size
         self.imbalance = imbalance
+        self.min_prefix_blocks = min_prefix_blocks
         self.table = PrefixTable()
         self._keys: dict[str, list[int]] = {}  # internal request id -> its keys, until routed
 
@@ -106,19 +133,34 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter)
         if not candidate_replicas:
             return []
         two = self._two_choices(candidate_replicas)
-        if not self.prefix_routing:
+        request = routed_request(pending_request)
+        if request is None:
             return [two]
-        prompt = request_prompt(pending_request)
-        if prompt is None:
+        assert pending_request is not None
+        keys = prefix_keys(request["prompt"], self.block_size)
+        self._keys[pending_request.metadata.internal_request_id] = keys
+        while len(self._keys) > MAX_PENDING:  # requests cancelled before they were routed
+            self._keys.pop(next(iter(self._keys)))
+        # The front end may decide per request (a benchmark compares both on one deployment).
+        if not request.get("prefix_routing", self.prefix_routing):
             return [two]
-        keys = prefix_keys(prompt, self.block_size)
-        if pending_request is not None:
-            self._keys[pending_request.metadata.internal_request_id] = keys
         by_id = {r.replica_id: r for r in candidate_replicas}
-        owner = self.table.lookup(keys, set(by_id))
-        if owner is None or self._overloaded(owner, candidate_replicas):
+        owner = self.table.lookup(keys, set(by_id), self.min_prefix_blocks)
+        if owner is not None:
+            if self._overloaded(owner, candidate_replicas):
+                return [two]
+            return [[by_id[owner]], two]
+        if len(keys) < self.min_prefix_blocks:
             return [two]
-        return [[by_id[owner]], two]
+        # A new long prefix goes to the replica caching the fewest prefix
+        # blocks (among those not overloaded), so the shared prompts spread
+        # evenly over the replicas' caches. Recorded now, not once routed,
+        # so that concurrent first requests of other prefixes spread too.
+        least = min(self._load(r.replica_id) for r in candidate_replicas)
+        eligible = [r for r in candidate_replicas if self._load(r.replica_id) - least < self.imbalance]
+        target = min(eligible, key=lambda r: (self.table.blocks[r.replica_id], self._load(r.replica_id), random.random()))
+        self.table.record(keys, target.replica_id)
+        return [[target], two]
 
     def _two_choices(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
         if len(replicas) <= 2:

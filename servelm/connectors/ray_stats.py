@@ -48,6 +48,14 @@ class StatsBoard:
         return list(self.entries.values())
 
 
+def stats_board(name: str, namespace: str):
+    """The board's actor handle, created by whoever asks first (a replica, or ``serve deploy``'d ones)."""
+    import ray
+
+    cls = ray.remote(num_cpus=0)(StatsBoard)
+    return cls.options(name=name, namespace=namespace, lifetime="detached", get_if_exists=True).remote()
+
+
 @dataclass
 class DeploymentStats:
     """The front end's view of the replicas, from the board's last snapshot."""

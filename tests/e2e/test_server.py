@@ -16,13 +16,26 @@ import httpx
 import openai
 import pytest
 
-from .conftest import CHAT_MODEL, EMBEDDING_MODEL, running_server
+from .conftest import CHAT_MODEL, EMBEDDING_MODEL, RAY_STARTUP_TIMEOUT_S, STARTUP_TIMEOUT_S, running_server
 
 pytestmark = pytest.mark.model
 
 MESSAGES = [{"role": "user", "content": "Name a planet of the solar system."}]
 PROMPT = "The capital of France is"
 TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module", params=["local", "ray"])
+def server(request):
+    """Base URL of a ``servelm serve`` on both bundled models: the engine in process, then
+    two engine replicas on Ray Serve (``--replicas 2``). Every test here runs against both."""
+    args = ["--model", CHAT_MODEL, "--embedding-model", EMBEDDING_MODEL]
+    timeout = STARTUP_TIMEOUT_S
+    if request.param == "ray":
+        args += ["--replicas", "2", "--replica-cpus", "1"]
+        timeout = RAY_STARTUP_TIMEOUT_S
+    with running_server(args, startup_timeout_s=timeout) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
