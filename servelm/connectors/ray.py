@@ -248,7 +248,7 @@ class RayConnector:
             async for out in stream:
                 yield out
         finally:
-            await stream.aclose()
+            await stream.aclose()  # type: ignore[attr-defined]  # an async generator
 
     async def _open(self, request_id: str, request: dict[str, Any]) -> AsyncIterator[Any]:
         if self.handle is None:

@@ -112,7 +112,7 @@ def build_app(plan: ReplicaPlan):
         "max_ongoing_requests": plan.max_ongoing_requests,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "request_router_config": RequestRouterConfig(
-            request_router_class=router,
+            request_router_class=router,  # type: ignore[arg-type]  # a dotted path is accepted too
             request_router_kwargs={"prefix_routing": plan.prefix_routing, "block_size": plan.engine.block_size},
         ),
     }
@@ -121,7 +121,8 @@ def build_app(plan: ReplicaPlan):
         options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = plan.replicas
-    return serve.deployment(EngineReplica).options(**options).bind(plan.spec())
+    deployment = serve.deployment(EngineReplica)
+    return deployment.options(**options).bind(plan.spec())  # type: ignore[attr-defined]
 
 
 def check_fits(plan: ReplicaPlan) -> None:

@@ -75,7 +75,7 @@ class EngineReplica:
         )
         self.connector.load()
         self.started = time.time()
-        self._stats_name = spec.get("stats_board")
+        self._stats_name: str | None = spec.get("stats_board")
         self._stop = threading.Event()
         if self._stats_name:
             threading.Thread(target=self._push_stats, name="servelm-stats", daemon=True).start()
@@ -149,7 +149,7 @@ class EngineReplica:
             task.cancel()
             with contextlib.suppress(BaseException):  # cancelled on purpose
                 await task
-            await stream.aclose()
+            await stream.aclose()  # type: ignore[attr-defined]  # an async generator
 
     # -- everything else -----------------------------------------------
 
@@ -199,7 +199,7 @@ class EngineReplica:
         while not self._stop.is_set():
             try:
                 if board is None:
-                    board = stats_board(self._stats_name, self.spec["namespace"])
+                    board = stats_board(str(self._stats_name), self.spec["namespace"])
                 ray.get(board.put.remote(self._stats()), timeout=5.0)
             except Exception:  # noqa: BLE001 - the board may be restarting; try again next period
                 board = None

@@ -28,9 +28,6 @@ from collections import Counter, OrderedDict
 from typing import Any
 
 from ray.serve.request_router import (
-    FIFOMixin,
-    LocalityMixin,
-    MultiplexMixin,
     PendingRequest,
     ReplicaID,
     RequestRouter,
@@ -107,8 +104,14 @@ def routed_request(pending_request: PendingRequest | None) -> dict[str, Any] | N
     return request if isinstance(request, dict) and isinstance(request.get("prompt"), list) else None
 
 
-class PrefixAwareRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
-    """Power of two choices on ongoing requests, with prefix affinity under a load guard."""
+class PrefixAwareRouter(RequestRouter):
+    """Power of two choices on ongoing requests, with prefix affinity under a load guard.
+
+    Without Serve's ``FIFOMixin`` on purpose: that mixin hands a replica
+    chosen for one request to the oldest waiting request, which would send a
+    request to the replica chosen for another's prefix. Each request here
+    gets the replica chosen for it.
+    """
 
     def initialize_state(
         self,
@@ -137,13 +140,14 @@ class PrefixAwareRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter)
         if request is None:
             return [two]
         assert pending_request is not None
+        # The front end may decide per request (a benchmark compares both on
+        # one deployment); requests routed on load alone teach the table nothing.
+        if not request.get("prefix_routing", self.prefix_routing):
+            return [two]
         keys = prefix_keys(request["prompt"], self.block_size)
         self._keys[pending_request.metadata.internal_request_id] = keys
         while len(self._keys) > MAX_PENDING:  # requests cancelled before they were routed
             self._keys.pop(next(iter(self._keys)))
-        # The front end may decide per request (a benchmark compares both on one deployment).
-        if not request.get("prefix_routing", self.prefix_routing):
-            return [two]
         by_id = {r.replica_id: r for r in candidate_replicas}
         owner = self.table.lookup(keys, set(by_id), self.min_prefix_blocks)
         if owner is not None:

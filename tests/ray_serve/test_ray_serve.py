@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -107,8 +106,10 @@ def _prefix_phase(url: str, prompts: list[str]) -> float:
         for j in range(8)
         for i in range(8)
     ]
-    with httpx.Client(base_url=url, timeout=TIMEOUT) as http, ThreadPoolExecutor(2) as pool:
-        replies = list(pool.map(lambda m: _chat(http, m, max_tokens=1, temperature=0), jobs))
+    # One at a time: a replica's small KV cache then holds its share of the
+    # prompts (about four) and nothing else, the same in every run.
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        replies = [_chat(http, m, max_tokens=1, temperature=0) for m in jobs]
     prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in replies)
     queries_key, hits_key = ("servelm:prefix_cache_queries_total", ""), ("servelm:prefix_cache_hits_total", "")
 
@@ -228,6 +229,6 @@ def test_replicas_that_cannot_be_placed_fail_at_start(ray_deployment, tmp_path):
         "--ray-app-name", "servelm-unplaceable",
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "largest node of the cluster has 1" in result.stderr
