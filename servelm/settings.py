@@ -10,133 +10,40 @@ name the setting. Torch-free: the API imports this module.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
-    InitSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
 
 from servelm.engine.config import EngineConfig
+from servelm.settings_base import (
+    ENV_PREFIX,
+    GROUPS,
+    STORAGE_URI,
+    RateLimit,
+    RateLimits,
+    SettingsError,
+    YamlFileSource,
+    async_storage_uri,
+    parse_memory,
+    setting,
+    split_list,
+)
 
-ENV_PREFIX = "SERVELM_"
+__all__ = ["ENV_PREFIX", "GROUPS", "RateLimit", "RateLimits", "Settings", "SettingsError", "async_storage_uri",
+           "parse_memory", "setting", "unknown_env_vars"]
 
 # Kept in step with servelm.models.registry (a test checks); not imported from
 # there so that the API, which imports settings, never pulls in servelm.models.
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-# The shape of rate_limit_storage: a `limits` storage URI. servelm uses the
-# asyncio variant of the storage ("async+" is added when missing).
-_STORAGE_URI = re.compile(r"^(async\+)?[a-z][a-z0-9+.-]*://", re.IGNORECASE)
-
-
-class SettingsError(ValueError):
-    """A settings problem that is not a field's value: a missing or malformed config file."""
-
-
-def parse_memory(value: Any) -> Any:
-    """``kv_cache_memory``: bytes (``1073741824``, ``4GiB``, ``512MB``) or a fraction (``0.5``)."""
-    if isinstance(value, bool) or not isinstance(value, str):
-        return value
-    text = value.strip()
-    try:
-        number = float(text)
-    except ValueError:
-        match = _SIZE.match(text)
-        if match is None:
-            raise ValueError(f"expected bytes (e.g. 1073741824, 4GiB) or a fraction in (0, 1], got {value!r}") from None
-        number_text, unit = match.group(1), (match.group(2) or "").lower()
-        base = 1024 if "i" in unit else 1000
-        scale = base ** " kmgt".index(unit[0]) if unit and unit[0] in "kmgt" else 1
-        return int(float(number_text) * scale)
-    if "." in text or "e" in text.lower():
-        return number
-    return int(text)
-
-
-def _split_list(value: Any) -> Any:
-    # Environment variables and flags carry lists comma-separated.
-    if isinstance(value, str):
-        return [item.strip() for item in value.split(",") if item.strip()]
-    return value
-
-
-class _YamlFileSource(InitSettingsSource):
-    """Settings from the YAML file named by ``config`` in the flags or the environment."""
-
-    def __init__(self, settings_cls: type[BaseSettings], init_kwargs: Mapping[str, Any]):
-        path = init_kwargs.get("config") or os.environ.get(f"{ENV_PREFIX}CONFIG")
-        data: dict[str, Any] = {}
-        if path:
-            file = Path(path).expanduser()
-            if not file.is_file():
-                raise SettingsError(f"config file {str(path)!r} does not exist")
-            try:
-                loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
-            except (OSError, yaml.YAMLError) as exc:
-                raise SettingsError(f"config file {str(path)!r} could not be read: {exc}") from None
-            if loaded is None:
-                loaded = {}
-            if not isinstance(loaded, dict):
-                raise SettingsError(f"config file {str(path)!r} must hold a mapping of setting: value")
-            data = {str(k): v for k, v in loaded.items()}
-        super().__init__(settings_cls, data)
-
-
-class RateLimit(BaseModel):
-    """One identity's limits per minute; ``None`` is unlimited.
-
-    In ``rate_limits.keys`` a field left out inherits the default's value,
-    while an explicit ``null`` makes that dimension unlimited for the key.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
-
-    @property
-    def unlimited(self) -> bool:
-        """True when neither requests nor tokens are limited."""
-        return self.requests_per_minute is None and self.tokens_per_minute is None
-
-
-class RateLimits(BaseModel):
-    """Rate limits: a default for every client and overrides per API key.
-
-    A client is its API key when keys are configured, else its address;
-    ``keys`` is looked up by that identity.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    default: RateLimit = Field(default_factory=RateLimit)
-    keys: dict[str, RateLimit] = Field(default_factory=dict)
-
-    @property
-    def enabled(self) -> bool:
-        """True when any identity has a limit."""
-        return not self.default.unlimited or any(not self.for_identity(k).unlimited for k in self.keys)
-
-    def for_identity(self, identity: str) -> RateLimit:
-        """The limits of ``identity``: its override's fields over the default's."""
-        override = self.keys.get(identity)
-        if override is None:
-            return self.default
-        return self.default.model_copy(update={name: getattr(override, name) for name in override.model_fields_set})
 
 
 class Settings(BaseSettings):
@@ -152,83 +59,215 @@ class Settings(BaseSettings):
         case_sensitive=False,
     )
 
-    config: Path | None = Field(None, description="YAML config file (flags and environment override it).")
-
-    # models
-    model: str = Field(DEFAULT_MODEL, description="Chat/completions model: a bundled name or a path.")
-    embedding_model: str | None = Field(
-        DEFAULT_EMBEDDING_MODEL, description="Embedding model: a bundled name, a path, or none."
+    config: Path | None = setting(
+        None, "YAML config file (see servelm.yaml); flags and environment variables override it", group="", metavar="FILE"
     )
-    served_model_name: str | None = Field(None, description="Name clients use for the chat model.")
-    chat_template: Path | None = Field(None, description="Jinja chat template file overriding the model's own.")
 
-    # engine
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    kv_cache_memory: int | float = Field(1 << 30, description="KV cache size: bytes, or a fraction of free memory.")
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    quantization: Literal["none", "int8"] = Field(
+    model: str = setting(
+        DEFAULT_MODEL,
+        "chat/completions model: a bundled name (smollm2-135m-instruct), a Hugging Face model folder or a GGUF file",
+        group="models",
+        metavar="NAME_OR_PATH",
+    )
+    embedding_model: str | None = setting(
+        DEFAULT_EMBEDDING_MODEL,
+        "model behind /v1/embeddings: a bundled name (all-minilm-l6-v2), a folder, or none to serve no embeddings",
+        group="models",
+        metavar="NAME_OR_PATH",
+    )
+    served_model_name: str | None = setting(
+        None,
+        "the name clients send as 'model' for the chat model",
+        group="models",
+        metavar="NAME",
+        default_text="--model as given",
+    )
+    chat_template: Path | None = setting(
+        None,
+        "Jinja chat template file overriding the model's own, read once at start-up",
+        group="models",
+        metavar="FILE",
+        default_text="each model's own template",
+    )
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "auto",
+        "weight and activation dtype; auto: bfloat16 on CUDA and on CPUs whose bfloat16 matmuls are at least "
+        "1.5x faster than float32 ones (measured at start-up and logged), else float32",
+        group="engine",
+    )
+    device: str = setting(
+        "auto", "cpu, cuda, cuda:N, mps or auto", group="engine", metavar="DEVICE", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$"
+    )
+    max_num_seqs: int = setting(64, "most sequences running in one engine step", group="engine", metavar="N", ge=1)
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one engine step (prefill chunks + decodes)", group="engine", metavar="N", ge=1
+    )
+    max_model_len: int | None = setting(
+        None, "context length limit", group="engine", metavar="N", default_text="the model's own", ge=1
+    )
+    kv_cache_memory: int | float = setting(
+        1 << 30,
+        "paged KV cache size: bytes (1073741824, 4GiB, 512MB) or a fraction in (0, 1] of free device memory "
+        "(of available RAM on CPU), e.g. 0.5",
+        group="engine",
+        metavar="SIZE",
+    )
+    block_size: int = setting(16, "tokens per KV cache block, a power of two", group="engine", metavar="N")
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV cache of shared prompt prefixes", group="engine", flag="--prefix-caching"
+    )
+    seed: int = setting(
+        0, "engine random seed (a request's own seed overrides it for that request)", group="engine", metavar="N"
+    )
+    quantization: Literal["none", "int8"] = setting(
         "none",
-        description=(
-            "Weight quantization: none, or int8 (weight-only, CPU; faster decoding of one sequence than "
-            "float32 and bfloat16, slower than bfloat16 with many sequences on AVX512-BF16 CPUs; more memory)."
-        ),
+        "weights: none, or int8 weight-only on CPU (per-row scales); int8 decodes one sequence faster than "
+        "float32 and bfloat16 and keeps a float copy for large batches, so it uses more memory, not less; "
+        "greedy outputs agree with float32 closely but not exactly (docs/BENCHMARKS.md)",
+        group="engine",
     )
 
-    # HTTP
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    metrics_require_auth: bool = False
-    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1)
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
-    log_format: Literal["text", "json"] = Field("text", description="Log lines as text or as JSON objects.")
-
-    # admission control; 0 or null: no limit
-    max_waiting: int | None = Field(
-        256, ge=0, description="Most requests waiting to start in the engine; past it new requests get 429."
+    host: str = setting("127.0.0.1", "address to listen on", group="HTTP", metavar="HOST")
+    port: int = setting(8000, "port to listen on, 0 for any free port", group="HTTP", metavar="PORT", ge=0, le=65535)
+    api_keys: Annotated[list[str], NoDecode] = setting(
+        list,
+        "API keys: when any is set, every route but /health, /ping and the web pages needs "
+        "'Authorization: Bearer KEY' (repeatable flag; comma-separated in SERVELM_API_KEYS)",
+        group="HTTP",
+        flag="--api-key",
+        metavar="KEY",
+        default_text="no auth",
     )
-    queue_timeout: float | None = Field(
-        60.0, ge=0, description="Seconds a request may wait to start before it is aborted with 429."
+    metrics_require_auth: bool = setting(False, "require the API key on /metrics too", group="HTTP")
+    cors_origins: Annotated[list[str], NoDecode] = setting(
+        list,
+        "origins allowed to call the API from a browser (CORS), or '*' (repeatable flag)",
+        group="HTTP",
+        flag="--cors-origin",
+        metavar="ORIGIN",
+        default_text="CORS off",
     )
-    request_timeout: float | None = Field(
-        None, ge=0, description="Seconds a request may run before it is aborted with a timeout error."
+    max_body_bytes: int = setting(
+        8 * 1024 * 1024, "largest request body accepted; a larger one gets 413", group="HTTP", metavar="N", ge=1
     )
-    shutdown_timeout: float = Field(
-        30.0, ge=0, description="On SIGTERM or Ctrl-C: seconds requests in flight get to finish before they are aborted."
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = setting(
+        "info", "server log level", group="HTTP"
     )
-
-    # scale-out on Ray Serve: any of replicas, ray_address, min/max_replicas turns it on
-    replicas: int | None = Field(
-        None, ge=1, description="Engine replicas on Ray Serve (a local Ray cluster unless ray_address is set)."
-    )
-    ray_address: str | None = Field(
-        None, description="Join the Ray cluster at HOST:PORT (or auto) instead of starting one here."
-    )
-    replica_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each replica.")
-    replica_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica.")
-    min_replicas: int | None = Field(None, ge=1, description="Autoscaling: fewest replicas.")
-    max_replicas: int | None = Field(None, ge=1, description="Autoscaling: most replicas.")
-    target_ongoing_requests: float = Field(
-        16.0, gt=0, description="Autoscaling: requests in flight per replica that Serve aims for."
-    )
-    prefix_routing: bool = Field(
-        True, description="Send requests sharing a prompt prefix to the replica that has it cached (load permitting)."
-    )
-    ray_app_name: str = Field(
-        "servelm", pattern=r"^[A-Za-z0-9_.-]+$", description="Name of the Serve application (one per server)."
+    log_format: Literal["text", "json"] = setting(
+        "text",
+        "log lines as text or as one JSON object each; access lines (logger servelm.access) carry request id, "
+        "client, method, path, route, status, prompt and completion tokens, TTFT and total time",
+        group="HTTP",
     )
 
-    # rate limits
-    rate_limits: RateLimits = Field(default_factory=RateLimits)
-    rate_limit_storage: str = Field(
-        "memory://", description="Where rate-limit counters live: a `limits` storage URI (memory://, redis://...)."
+    max_waiting: int | None = setting(
+        256,
+        "most requests waiting to start in the engine; past it a new chat/completions request gets 429 "
+        "server_overloaded (code queue_full) with Retry-After",
+        group="admission control",
+        metavar="N",
+        ge=0,
+    )
+    queue_timeout: float | None = setting(
+        60.0,
+        "seconds a request may wait to start (no first output yet) before it is aborted with the same 429 "
+        "(code queue_timeout)",
+        group="admission control",
+        metavar="SECONDS",
+        ge=0,
+    )
+    request_timeout: float | None = setting(
+        None,
+        "seconds a request may run in all before it is aborted and answered 408 timeout_error "
+        "(code request_timeout); a stream already under way gets an error event, then [DONE]",
+        group="admission control",
+        metavar="SECONDS",
+        default_text="no limit",
+        ge=0,
+    )
+    shutdown_timeout: float = setting(
+        30.0,
+        "on SIGTERM or Ctrl-C: stop admitting (503 server_shutting_down with Retry-After, /ready 503), give "
+        "requests in flight this long to finish, abort the rest with an error, exit 0; a second signal stops at once",
+        group="admission control",
+        metavar="SECONDS",
+        ge=0,
+    )
+
+    rate_limits: RateLimits = setting(
+        RateLimits,
+        "requests and tokens per minute for each client (its API key when api_keys are set, else its address) "
+        "on /v1/chat/completions, /v1/completions and /v1/embeddings; tokens are the prompt plus max_tokens for "
+        "each choice, reserved at admission and corrected to actual use; over a limit: 429 rate_limit_exceeded "
+        "with Retry-After. default applies to every client (null: unlimited); keys holds per-key overrides "
+        "(a field left out inherits the default, an explicit null is unlimited; with api_keys set, each must be "
+        "one of them)",
+        group="rate limits",
+        flag="",
+        default_text="unlimited",
+    )
+    rate_limit_storage: str = setting(
+        "memory://",
+        "where the rate-limit counters live: memory:// (this process) or a store shared by several servers, "
+        "such as redis://HOST:6379 (needs limits[async-redis])",
+        group="rate limits",
+        metavar="URI",
+    )
+
+    replicas: int | None = setting(
+        None,
+        "engine replicas on Ray Serve; alone, it starts a Ray cluster inside the server, on 127.0.0.1 (no "
+        "`ray start` needed); with min/max_replicas it is the initial count",
+        group="scale-out on Ray Serve",
+        metavar="N",
+        default_text="no Ray: the engine in this process",
+        ge=1,
+    )
+    ray_address: str | None = setting(
+        None,
+        "join the Ray cluster at HOST:PORT (its head's address, as `ray start --head` prints it) or auto (the "
+        "cluster started on this machine); without replicas, attach to the Serve application already running "
+        "there (deploying one replica when there is none); an address nothing answers at exits with status 2 "
+        "within 30 s",
+        group="scale-out on Ray Serve",
+        metavar="HOST:PORT",
+        default_text="start a cluster here",
+    )
+    replica_cpus: float = setting(
+        1.0, "CPUs Ray reserves for each replica (a replica goes to a node that has them)",
+        group="scale-out on Ray Serve", metavar="N", ge=0,
+    )
+    replica_gpus: float = setting(
+        0.0, "GPUs Ray reserves for each replica", group="scale-out on Ray Serve", metavar="N", ge=0
+    )
+    min_replicas: int | None = setting(
+        None,
+        "autoscaling: Serve keeps between min_replicas and max_replicas replicas, aiming at "
+        "target_ongoing_requests requests in flight per replica",
+        group="scale-out on Ray Serve",
+        metavar="N",
+        default_text="no autoscaling",
+        ge=1,
+    )
+    max_replicas: int | None = setting(
+        None, "autoscaling: most replicas (see min_replicas)", group="scale-out on Ray Serve", metavar="N",
+        default_text="no autoscaling", ge=1,
+    )
+    target_ongoing_requests: float = setting(
+        16.0, "autoscaling: requests in flight per replica that Serve aims for",
+        group="scale-out on Ray Serve", metavar="N", gt=0,
+    )
+    prefix_routing: bool = setting(
+        True,
+        "send a request to the replica that last served its prompt prefix (64 tokens or more), whose prefix "
+        "cache likely holds it, unless that replica has 8 more requests in flight than the least busy one; "
+        "off: power of two choices on load alone",
+        group="scale-out on Ray Serve",
+    )
+    ray_app_name: str = setting(
+        "servelm", "name of the Serve application: one per set of replicas on a cluster",
+        group="scale-out on Ray Serve", metavar="NAME", pattern=r"^[A-Za-z0-9_.-]+$",
     )
 
     @classmethod
@@ -241,7 +280,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         init_kwargs = getattr(init_settings, "init_kwargs", {})
-        return (init_settings, env_settings, _YamlFileSource(settings_cls, init_kwargs))
+        return (init_settings, env_settings, YamlFileSource(settings_cls, init_kwargs))
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
@@ -251,7 +290,7 @@ class Settings(BaseSettings):
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split(cls, value: Any) -> Any:
-        return _split_list(value)
+        return split_list(value)
 
     @field_validator("api_keys")
     @classmethod
@@ -265,7 +304,7 @@ class Settings(BaseSettings):
     def _known_storage(cls, value: str) -> str:
         # Checked here so a typo or a missing client library stops the server
         # before the models load, not at its first request.
-        if not _STORAGE_URI.match(value):
+        if not STORAGE_URI.match(value):
             raise ValueError("expected a storage URI such as memory:// or redis://host:6379")
         uri = async_storage_uri(value)
         if uri.lower().startswith("async+memory:"):
@@ -374,11 +413,6 @@ class Settings(BaseSettings):
         if self.chat_template is None:
             return None
         return self.chat_template.expanduser().read_text(encoding="utf-8")
-
-
-def async_storage_uri(uri: str) -> str:
-    """``uri`` as the asyncio variant of its `limits` storage (``async+redis://...``)."""
-    return uri if uri.lower().startswith("async+") else f"async+{uri}"
 
 
 def unknown_env_vars(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from servelm import cli
+from servelm.server import ServelmServer
 from servelm.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,7 +143,7 @@ def test_the_health_check_passes_only_when_healthy(healthy, exit_ok):
     """Run the image's HEALTHCHECK command, as Docker would (sh -c), against a live server."""
     from servelm.api import create_app
 
-    server = cli.ServelmServer(create_app(_Probe(healthy), Settings()), Settings(port=0, log_level="warning"))
+    server = ServelmServer(create_app(_Probe(healthy), Settings()), Settings(port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -210,7 +211,7 @@ def test_deploy_doc_shows_the_commands_that_exist():
     doc = (REPO / "docs" / "DEPLOY.md").read_text()
     help_text = cli.build_parser().parse_args(["serve"]).command_parser.format_help()
     for flag in set(re.findall(r"(--[a-z][a-z-]+)", doc)):
-        if flag in ("--build", "--build-arg", "--profile", "--rm", "--index-url", "--no-deps", "--gpus", "--env"):
+        if flag in ("--build", "--build-arg", "--profile", "--rm", "--index-url", "--no-deps", "--gpus", "--env", "--write"):
             continue
         assert flag in help_text, f"docs/DEPLOY.md mentions {flag}, which `servelm serve` does not have"
     for name in ("TORCH_VARIANT", "compose.yaml", "x-request-id", "rate_limits", "--log-format"):

@@ -54,7 +54,7 @@ class ThreadedServer:
     """The real uvicorn server (as the CLI builds it) on a free port, in a thread."""
 
     def __init__(self, app, **settings: object):
-        from servelm.cli import ServelmServer
+        from servelm.server import ServelmServer
 
         self.server = ServelmServer(app, Settings(port=0, log_level="warning", **settings))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

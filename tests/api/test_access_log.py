@@ -185,7 +185,7 @@ def test_log_format_json_configures_the_process():
 
 
 def test_the_server_leaves_access_logging_to_servelm():
-    from servelm.cli import ServelmServer
+    from servelm.server import ServelmServer
 
     app = create_app(_NoConnector(), Settings())
     text_server = ServelmServer(app, Settings(port=0))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from servelm import cli
+from servelm import chat_client, cli, server
 from servelm.engine.config import EngineConfig
 from servelm.settings import Settings, parse_memory
 
@@ -173,15 +173,18 @@ def test_example_config_documents_every_setting():
 def test_help_lists_every_setting():
     parser = cli.build_parser()
     serve_help = parser.parse_args(["serve"]).command_parser.format_help()
-    flags = cli._flag_names()
-    for name in Settings.model_fields:
-        flag = flags.get(name, "--" + name.replace("_", "-"))
+    for name, field in Settings.model_fields.items():
+        flag = cli.flag_of(name)
+        if flag is None:  # set through other flags (rate_limits) or the config file
+            continue
         assert flag.replace("[no-]", "") in serve_help, f"--help lacks {flag}"
+        # The help shows the setting's one description.
+        assert " ".join(field.description.split()[:4]) in " ".join(serve_help.split()), name
 
 
 def test_serve_rejects_a_missing_model_before_loading(tmp_path):
     out = io.StringIO()
-    rc = cli.serve(Settings(model=str(tmp_path / "missing.gguf"), embedding_model=None), out=out)
+    rc = server.serve(Settings(model=str(tmp_path / "missing.gguf"), embedding_model=None), out=out)
     assert rc == 2
     assert "--model" in out.getvalue()
 
@@ -197,7 +200,7 @@ def test_python_dash_m_entry_point():
 def test_chat_cli(fake, live_server):
     inputs = iter(["hello", "", "again", "/reset", "fresh", "/quit"])
     out = io.StringIO()
-    rc = cli.run_chat(live_server + "/v1", system="be nice", input_fn=lambda prompt: next(inputs), out=out)
+    rc = chat_client.run_chat(live_server + "/v1", system="be nice", input_fn=lambda prompt: next(inputs), out=out)
     assert rc == 0
     assert out.getvalue().count("Hello world") == 3
     calls = [c["messages"] for c in fake.template_calls]
@@ -216,7 +219,7 @@ def test_chat_cli_eof_and_errors(fake, live_server):
         raise EOFError
 
     out = io.StringIO()
-    assert cli.run_chat(live_server, model="nope", input_fn=eof, out=out) == 0
+    assert chat_client.run_chat(live_server, model="nope", input_fn=eof, out=out) == 0
     inputs = iter(["hi"])
 
     def once(prompt: str) -> str:
@@ -226,13 +229,13 @@ def test_chat_cli_eof_and_errors(fake, live_server):
             raise EOFError from None
 
     out = io.StringIO()
-    assert cli.run_chat(live_server, model="nope", input_fn=once, out=out) == 0
+    assert chat_client.run_chat(live_server, model="nope", input_fn=once, out=out) == 0
     assert "error: The model `nope` does not exist." in out.getvalue()
 
 
 def test_chat_cli_unreachable():
     out = io.StringIO()
-    assert cli.run_chat("http://127.0.0.1:9", input_fn=lambda p: "/quit", out=out) == 1
+    assert chat_client.run_chat("http://127.0.0.1:9", input_fn=lambda p: "/quit", out=out) == 1
     assert "cannot reach" in out.getvalue()
 
 
@@ -241,11 +244,11 @@ def test_chat_cli_with_auth(fake):
 
     with ThreadedServer(make_app(fake, api_keys=["sekrit"])) as url:
         out = io.StringIO()
-        assert cli.run_chat(url, input_fn=lambda p: "/quit", out=out) == 1
+        assert chat_client.run_chat(url, input_fn=lambda p: "/quit", out=out) == 1
         assert "API key" in out.getvalue()
         out = io.StringIO()
         inputs = iter(["hi", "/quit"])
-        assert cli.run_chat(url, api_key="sekrit", input_fn=lambda p: next(inputs), out=out) == 0
+        assert chat_client.run_chat(url, api_key="sekrit", input_fn=lambda p: next(inputs), out=out) == 0
         assert "Hello world" in out.getvalue()
 
 
@@ -276,7 +279,7 @@ def test_serve_listens_while_loading_then_drains_on_sigterm(tmp_path, monkeypatc
         def shutdown(self):
             events.append("shutdown")
 
-    class SigtermServer(cli.ServelmServer):
+    class SigtermServer(server.ServelmServer):
         def __init__(self, app, settings, on_ready=None):
             self.listening = threading.Event()
 
@@ -306,11 +309,11 @@ def test_serve_listens_while_loading_then_drains_on_sigterm(tmp_path, monkeypatc
             return codes[0]
 
     monkeypatch.setattr(local, "LocalConnector", FakeLocal)
-    monkeypatch.setattr(cli, "ServelmServer", SigtermServer)
+    monkeypatch.setattr(server, "ServelmServer", SigtermServer)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     out = io.StringIO()
-    rc = cli.serve(Settings(model=str(model), embedding_model=None, port=0, max_num_seqs=5, log_level="warning"), out=out)
+    rc = server.serve(Settings(model=str(model), embedding_model=None, port=0, max_num_seqs=5, log_level="warning"), out=out)
     assert rc == 0
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("servelm: loading ")
@@ -342,7 +345,37 @@ def test_serve_exits_1_when_the_load_fails(tmp_path, monkeypatch):
     model.write_bytes(b"")
     out = io.StringIO()
     settings = Settings(model=str(model), embedding_model=None, port=0, log_level="critical")
-    assert cli.serve(settings, out=out) == 1
+    assert server.serve(settings, out=out) == 1
     assert "could not load the models: weights are corrupt" in out.getvalue()
     assert "ready:" not in out.getvalue()
     assert events == ["shutdown"]
+
+
+def test_config_file_and_deploy_table_are_made_from_the_settings():
+    """servelm.yaml and docs/DEPLOY.md's settings table are what the settings model's descriptions make."""
+    from servelm import settings_doc
+
+    assert settings_doc.YAML_PATH.read_text() == settings_doc.render_yaml(), "run python -m servelm.settings_doc --write"
+    doc = settings_doc.DEPLOY_PATH.read_text()
+    assert doc == settings_doc.deploy_doc_with_table(doc), "run python -m servelm.settings_doc --write"
+    table = settings_doc.render_table()
+    for name in Settings.model_fields:
+        if name != "config":
+            assert f"| `{name}` (`SERVELM_{name.upper()}`)" in table
+    assert settings_doc.main([]) == 0
+
+
+def test_settings_doc_check_reports_a_stale_file(tmp_path, monkeypatch, capsys):
+    from servelm import settings_doc
+
+    stale = tmp_path / "servelm.yaml"
+    stale.write_text(settings_doc.render_yaml().replace("max_num_seqs: 64", "max_num_seqs: 65"))
+    monkeypatch.setattr(settings_doc, "YAML_PATH", stale)
+    monkeypatch.setattr(settings_doc, "REPO", tmp_path.parent)
+    deploy = tmp_path / "DEPLOY.md"
+    deploy.write_text(settings_doc.deploy_doc_with_table(settings_doc.DEPLOY_PATH.read_text()))
+    monkeypatch.setattr(settings_doc, "DEPLOY_PATH", deploy)
+    assert settings_doc.main([]) == 1
+    assert "servelm.yaml is out of date" in capsys.readouterr().err
+    assert settings_doc.main(["--write"]) == 0
+    assert stale.read_text() == settings_doc.render_yaml()
