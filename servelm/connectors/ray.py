@@ -133,7 +133,7 @@ class RayConnector:
             thread.start()
             thread.join(UNDEPLOY_TIMEOUT_S)
         if self._cluster is not None:
-            ray_cluster.disconnect()
+            ray_cluster.disconnect(self._cluster)
 
     def _undeploy(self, ray_deploy: Any) -> None:
         try:

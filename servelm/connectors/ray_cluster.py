@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,7 @@ class ClusterInfo:
     started_here: bool
     num_cpus: float
     num_gpus: float
+    temp_dir: str | None = None  # the logs and sockets of a cluster started here
 
 
 def servelm_root() -> str:
@@ -88,17 +91,19 @@ def connect(address: str | None, num_cpus: float | None = None, num_gpus: float 
         return _info(started_here=False)
     kwargs: dict = {"include_dashboard": False, "log_to_driver": False, "namespace": "servelm"}
     if address is None:
-        kwargs.update(num_cpus=num_cpus, num_gpus=num_gpus)
-    else:
-        kwargs["address"] = address
-    if address is None:
+        # A temp dir of its own: in Ray's shared one, ray.init() without an
+        # address joins the cluster a `ray start` on this machine left there.
+        temp_dir = tempfile.mkdtemp(prefix="servelm-ray-")
+        kwargs.update(num_cpus=num_cpus, num_gpus=num_gpus, _temp_dir=temp_dir)
         # In the calling thread, never a helper thread: Ray ties the processes
         # it starts (GCS, raylet) to the life of the thread that started them.
         try:
             ray.init(**kwargs)
         except Exception as exc:  # noqa: BLE001 - any failure to start is reported the same way
+            shutil.rmtree(temp_dir, ignore_errors=True)
             raise RayClusterError(f"could not start a local Ray cluster: {_explain(exc)}") from None
-        return _info(started_here=True)
+        return _info(started_here=True, temp_dir=temp_dir)
+    kwargs["address"] = address
     error: list[BaseException] = []
 
     def init() -> None:
@@ -118,7 +123,7 @@ def connect(address: str | None, num_cpus: float | None = None, num_gpus: float 
     return _info(started_here=False)
 
 
-def _info(started_here: bool) -> ClusterInfo:
+def _info(started_here: bool, temp_dir: str | None = None) -> ClusterInfo:
     import ray
 
     resources = ray.cluster_resources()
@@ -127,6 +132,7 @@ def _info(started_here: bool) -> ClusterInfo:
         started_here=started_here,
         num_cpus=float(resources.get("CPU", 0.0)),
         num_gpus=float(resources.get("GPU", 0.0)),
+        temp_dir=temp_dir,
     )
 
 
@@ -158,9 +164,12 @@ def node_resources(resource: str) -> list[float]:
     return [float(n.get("Resources", {}).get(resource, 0.0)) for n in ray.nodes() if n.get("Alive")]
 
 
-def disconnect() -> None:
-    """Leave the cluster; a cluster started here stops with it (``ray.shutdown``, never ``ray stop``)."""
+def disconnect(info: ClusterInfo | None = None) -> None:
+    """Leave the cluster; a cluster started here stops with it (``ray.shutdown``, never ``ray stop``)
+    and its temp dir goes."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    if info is not None and info.temp_dir:
+        shutil.rmtree(info.temp_dir, ignore_errors=True)

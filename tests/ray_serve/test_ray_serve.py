@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -101,10 +102,14 @@ def _system_prompt(i: int) -> str:
 def _prefix_phase(url: str, prompts: list[str]) -> float:
     """8 system prompts x 8 users through the deployment; returns the prefix-cache hit rate of the phase."""
     before = _metrics(url)
+    # Users come in a shuffled order each round: in a fixed cycle of eight, a
+    # balancer that alternates between two replicas would pin each prompt to
+    # one replica by accident.
+    rng = random.Random(17)
     jobs = [
         [{"role": "system", "content": prompts[i]}, {"role": "user", "content": f"User {j} asks: what is {j} + {i}?"}]
         for j in range(8)
-        for i in range(8)
+        for i in rng.sample(range(8), 8)
     ]
     # One at a time: a replica's small KV cache then holds its share of the
     # prompts (about four) and nothing else, the same in every run.
