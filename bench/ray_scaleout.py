@@ -100,14 +100,14 @@ def _ratio(b: float | None, a: float | None) -> str:
     return f"{b / a:.2f}" if a and b is not None else "n/a"
 
 
-def overhead(rounds: int, cpus: int, out) -> None:
+def overhead(rounds: int, cpus: int, output_len: int, out) -> None:
     rows: dict[tuple[str, int], dict[str, list]] = {}
     env = {"OMP_NUM_THREADS": str(cpus)}
     for r in range(rounds):
         for name, args in (("in-process", []), ("1 replica on Ray", ["--replicas", "1", "--replica-cpus", str(cpus)])):
             with server(args, env) as url:
-                for c, n in ((1, 8), (32, 64)):
-                    level = bench_serve(url, c, n, 64, "completions")
+                for c, n in ((1, 4), (32, 32)):
+                    level = bench_serve(url, c, n, output_len, "completions")
                     row = rows.setdefault((name, c), {"itl": [], "tput": []})
                     row["itl"].append(level["itl_ms"]["median"])
                     row["tput"].append(level["output_throughput"])
@@ -122,7 +122,7 @@ def overhead(rounds: int, cpus: int, out) -> None:
         print(f"| {c} | {ia:.1f} | {ib:.1f} | {_ratio(ib, ia)} | {ta:.1f} | {tb:.1f} | {_ratio(tb, ta)} |", file=out)
 
 
-def scaling(rounds: int, cpus: int, replicas_b: int, out) -> None:
+def scaling(rounds: int, cpus: int, replicas_b: int, output_len: int, out) -> None:
     tput: dict[str, list[float]] = {}
     configs = (
         ("1 replica", ["--replicas", "1", "--replica-cpus", str(cpus)]),
@@ -131,7 +131,7 @@ def scaling(rounds: int, cpus: int, replicas_b: int, out) -> None:
     for r in range(rounds):
         for name, args in configs:
             with server(args) as url:
-                level = bench_serve(url, 32, 96, 64, "chat")
+                level = bench_serve(url, 32, 32, output_len, "chat")
                 tput.setdefault(name, []).append(level["output_throughput"])
                 print(f"round {r} {name}: {level['output_throughput']:.1f} tok/s", file=out, flush=True)
     a, b = _median(tput[configs[0][0]]), _median(tput[configs[1][0]])
@@ -207,14 +207,15 @@ def main() -> None:
                    help="cores of the engine in the overhead pair (default: all)")
     p.add_argument("--replicas-b", type=int, default=2, help="replicas of the scaling experiment's B side")
     p.add_argument("--kv-cache-memory", default="64MiB", help="per replica in the prefix experiment (small, so eviction matters)")
+    p.add_argument("--output-len", type=int, default=32, help="tokens per request in overhead and scaling")
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} cores; load average before: {os.getloadavg()}", flush=True)
     for name in args.experiments.split(","):
         print(f"\n== {name} ==", flush=True)
         if name == "overhead":
-            overhead(args.rounds, args.overhead_cpus, sys.stdout)
+            overhead(args.rounds, args.overhead_cpus, args.output_len, sys.stdout)
         elif name == "scaling":
-            scaling(args.rounds, args.cpus, args.replicas_b, sys.stdout)
+            scaling(args.rounds, args.cpus, args.replicas_b, args.output_len, sys.stdout)
         elif name == "prefix":
             prefix(args.rounds, args.cpus, args.kv_cache_memory, sys.stdout)
     print(f"\nload average after: {os.getloadavg()}", flush=True)

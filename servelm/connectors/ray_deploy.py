@@ -160,7 +160,7 @@ def deploy(plan: ReplicaPlan, say=print, timeout_s: float = DEPLOY_TIMEOUT_S):
 
     check_fits(plan)
     stats_board(plan.stats_board, plan.namespace)
-    serve.start(http_options={"location": "NoServer"})
+    serve.start(proxy_location="Disabled")
     serve.run_many(
         [RunTarget(build_app(plan), name=plan.app_name, route_prefix=None)],
         wait_for_applications_running=False,
