@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from torch import nn
 from servelm.engine.config import EngineConfig
 from servelm.engine.device import resolve_device, resolve_dtype
 from servelm.engine.malloc import huge_page_copies, keep_freed_memory
+from servelm.engine.sample_isolation import sample_isolated
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.kernels import cpu_kernels
@@ -46,10 +47,13 @@ class StepResult:
     every sequence that sampled. ``prompt_logprobs`` maps seq_id to, for
     each computed prompt position p of the chunk that has a next prompt
     token, (p + 1, logprob of that token, top (id, logprob) list).
+    ``failed`` lists the sequences whose own sampling raised (logged by the
+    sampler's isolation); the others sampled normally.
     """
 
     sampled: dict[int, tuple[int, float, list[tuple[int, float]] | None]]
     prompt_logprobs: dict[int, list[tuple[int, float, list[tuple[int, float]]]]]
+    failed: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -174,6 +178,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []  # flattened index of the last token of each sampling chunk
         sample_seqs: list[int] = []
+        sample_requests: list[str] = []
         prompt_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, start position)
         bs = self.block_size
         for sch in scheduled:
@@ -191,6 +196,7 @@ class ModelRunner:
             if sch.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq.seq_id)
+                sample_requests.append(seq.request_id)
             if seq.seq_id in want_prompt_logprobs:
                 prompt_rows[seq.seq_id] = (row0, start)
 
@@ -218,10 +224,13 @@ class ModelRunner:
         result = StepResult(sampled={}, prompt_logprobs={})
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-            sampled = self.sampler(logits, [sampling[s] for s in sample_seqs])
-            for i, seq_id in enumerate(sample_seqs):
-                top = sampled.top_logprobs[i] if sampled.top_logprobs is not None else None
-                result.sampled[seq_id] = (sampled.token_ids[i], sampled.logprobs[i], top)
+            states = [sampling[s] for s in sample_seqs]
+            for i, row in enumerate(sample_isolated(self.sampler, logits, states, sample_requests)):
+                seq_id = sample_seqs[i]
+                if row is None:
+                    result.failed.append(seq_id)
+                else:
+                    result.sampled[seq_id] = row
         for sch in out.prefills:
             seq = sch.seq
             if seq.seq_id in prompt_rows:
