@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 
 MODEL = "smollm2-135m-instruct"
+DTYPE = "bfloat16"
 
 
 def free_port() -> int:
@@ -50,8 +51,10 @@ def free_port() -> int:
 def server(args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 600.0):
     """A ``servelm serve`` on a free port; yields its URL; stops it (SIGTERM, then SIGKILL) by PID."""
     port = free_port()
+    # dtype pinned: `auto` times bfloat16 against float32 at start-up, and on a
+    # loaded machine two servers could pick differently.
     cmd = [sys.executable, "-m", "servelm", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--embedding-model", "none", "--log-level", "warning", *args]
+           "--embedding-model", "none", "--log-level", "warning", "--dtype", DTYPE, *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
     env.pop("RAY_ADDRESS", None)
     env.setdefault("RAY_AUTH_MODE", "disabled")

@@ -63,6 +63,8 @@ class ReplicaPlan:
             "engine": asdict(self.engine),
             "stats_board": self.stats_board,
             "namespace": self.namespace,
+            # Intra-op threads: the whole CPUs reserved (a GPU replica's CPU share is left to torch).
+            "threads": int(self.replica_cpus) if self.replica_cpus >= 1 and self.replica_gpus == 0 else None,
         }
 
     def autoscaling_config(self) -> dict[str, Any] | None:

@@ -67,6 +67,13 @@ class EngineReplica:
         self.replica_id = _replica_id()
         self.node_id, self.node_ip = _node()
         self.pid = os.getpid()
+        threads = spec.get("threads")
+        if threads:
+            # The cores Ray reserved for this replica, not every core of the
+            # node: replicas sharing a node would otherwise oversubscribe it.
+            import torch
+
+            torch.set_num_threads(threads)
         self.connector = LocalConnector(
             spec["model"],
             spec.get("embedding_model"),

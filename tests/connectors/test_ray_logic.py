@@ -233,6 +233,7 @@ def test_the_serve_app_follows_the_settings():
     assert config.request_router_kwargs["prefix_routing"] is True
     spec = deployment.init_args[0]
     assert spec["model"] == "smollm2-135m-instruct" and spec["engine"]["kv_cache_memory"] == 64 << 20
+    assert spec["threads"] == 2  # a replica's torch threads follow the CPUs Ray reserves for it
 
     scaled = build_app_from_args({"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8, "prefix_routing": False})
     auto = scaled._bound_deployment._deployment_config.autoscaling_config
