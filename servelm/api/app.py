@@ -10,14 +10,14 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from servelm.api.access_log import REQUEST_ID_HEADER, AccessLogMiddleware
+from servelm.api.admission import Admission
 from servelm.api.auth import AuthMiddleware
 from servelm.api.body_limit import BodyLimitMiddleware
 from servelm.api.errors import CatchAllMiddleware, install_exception_handlers
 from servelm.api.metrics import Metrics, MetricsMiddleware
 from servelm.api.ratelimit import REQUESTS, TOKENS, RateLimiter, RateLimitMiddleware
 from servelm.api.routers import chat, completions, embeddings, health, models, tokenize
-from servelm.api.serving_engine import ServingContext, servelm_version
-from servelm.api.serving_generation import ADMISSION_STATE, Admission
+from servelm.api.serving_base import ServingContext, servelm_version
 from servelm.api.state import AppState
 from servelm.connectors.base import Connector
 from servelm.settings import Settings
@@ -47,6 +47,11 @@ def create_app(
     ctx = ServingContext(
         connector=connector,
         metrics=metrics,
+        admission=Admission(
+            max_waiting=settings.max_waiting,
+            queue_timeout=settings.queue_timeout,
+            request_timeout=settings.request_timeout,
+        ),
         chat_template=settings.read_chat_template(),
         clock=clock,
         new_id=new_id,
@@ -58,15 +63,6 @@ def create_app(
         description="An OpenAI-compatible LLM inference server. See docs/API.md for what each field does.",
     )
     app.state.servelm = AppState.build(ctx)
-    setattr(
-        app.state,
-        ADMISSION_STATE,
-        Admission(
-            max_waiting=settings.max_waiting,
-            queue_timeout=settings.queue_timeout,
-            request_timeout=settings.request_timeout,
-        ),
-    )
     install_exception_handlers(app)
     routers = (chat, completions, embeddings, models, tokenize, health)
     for module in routers:

@@ -40,6 +40,11 @@ _UNPARSABLE_BODY = "There was an error parsing the body"
 _MAX_SHOWN = 80
 
 
+# Retry-After (seconds) of a 503: the server is loading its models or shutting
+# down, which takes seconds; a full queue's 429 has its own (admission.py).
+UNAVAILABLE_RETRY_AFTER_S = 5
+
+
 class APIError(Exception):
     """An error with an HTTP status that the API reports in OpenAI's envelope."""
 
@@ -88,7 +93,7 @@ class ServerShuttingDown(APIError):
             "The server is shutting down and takes no new work. Retry after the time in the Retry-After header.",
             status=503,
             code="server_shutting_down",
-            headers={"Retry-After": "5"},
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
         )
 
 

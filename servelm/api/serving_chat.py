@@ -10,6 +10,8 @@ from starlette.responses import Response
 
 from servelm.api.access_log import response_id
 from servelm.api.errors import APIError, context_length_exceeded
+from servelm.api.generation_run import ChoiceDelta, ChoiceResult, GenerationRun
+from servelm.api.logprobs import chat_logprobs
 from servelm.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -21,14 +23,8 @@ from servelm.api.protocol import (
     ChatResponseMessage,
     Usage,
 )
-from servelm.api.serving_engine import check_supported, sampling_params
-from servelm.api.serving_generation import (
-    ChoiceDelta,
-    ChoiceResult,
-    GenerationRun,
-    GenerationServing,
-    chat_logprobs,
-)
+from servelm.api.serving_base import check_supported, sampling_params
+from servelm.api.serving_generation import GenerationServing
 
 
 @dataclass

@@ -10,6 +10,8 @@ from starlette.responses import Response
 
 from servelm.api.access_log import response_id
 from servelm.api.errors import APIError, context_length_exceeded
+from servelm.api.generation_run import ChoiceDelta, ChoiceResult, GenerationRun
+from servelm.api.logprobs import legacy_logprobs
 from servelm.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -17,14 +19,8 @@ from servelm.api.protocol import (
     CompletionResponse,
     Usage,
 )
-from servelm.api.serving_engine import check_supported, sampling_params
-from servelm.api.serving_generation import (
-    ChoiceDelta,
-    ChoiceResult,
-    GenerationRun,
-    GenerationServing,
-    legacy_logprobs,
-)
+from servelm.api.serving_base import check_supported, sampling_params
+from servelm.api.serving_generation import GenerationServing
 from servelm.engine.outputs import PositionLogprobs
 
 

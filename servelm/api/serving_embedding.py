@@ -12,7 +12,7 @@ from servelm.api.access_log import request_record
 from servelm.api.errors import APIError, context_length_exceeded
 from servelm.api.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from servelm.api.ratelimit import rate_limit_ticket
-from servelm.api.serving_engine import OpenAIServing, cancel_on_disconnect, check_supported
+from servelm.api.serving_base import OpenAIServing, cancel_on_disconnect, check_supported
 
 # OpenAI's own limit on inputs per request.
 MAX_INPUTS = 2048

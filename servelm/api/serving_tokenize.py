@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from servelm.api.errors import APIError
 from servelm.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from servelm.api.serving_engine import OpenAIServing
+from servelm.api.serving_base import OpenAIServing
 
 
 class ServingTokenize(OpenAIServing):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servelm.api.serving_base import ServingContext
 from servelm.api.serving_chat import ServingChat
 from servelm.api.serving_completion import ServingCompletion
 from servelm.api.serving_embedding import ServingEmbedding
-from servelm.api.serving_engine import ServingContext
 from servelm.api.serving_tokenize import ServingTokenize
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from servelm.api.serving_engine import servelm_version
+from servelm.api.serving_base import servelm_version
 from servelm.connectors.base import ContextLengthExceeded
 
 from .conftest import make_app, make_client

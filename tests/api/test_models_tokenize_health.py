@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from servelm.api.serving_engine import servelm_version
+from servelm.api.serving_base import servelm_version
 
 from .fake_connector import encode
 

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from servelm.api.errors import ServerShuttingDown
 from servelm.api.metrics import CONTENT_TYPE_LATEST
 from servelm.api.routers.common import app_state
-from servelm.api.serving_engine import not_ready_error
+from servelm.api.serving_base import not_ready_error
 
 router = APIRouter(tags=["operations"])
 

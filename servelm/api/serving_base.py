@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from servelm.api.errors import APIError, ClientDisconnected, ServerShuttingDown, json_value
+from servelm.api.admission import Admission
+from servelm.api.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ClientDisconnected, ServerShuttingDown, json_value
 from servelm.api.lifecycle import Lifecycle
 from servelm.api.metrics import Metrics
 from servelm.api.protocol import ChatMessage, SamplingFields
@@ -42,6 +43,7 @@ class ServingContext:
     connector: Connector
     metrics: Metrics
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    admission: Admission = field(default_factory=Admission)
     chat_template: str | None = None
     clock: Callable[[], float] = time.time
     new_id: Callable[[], str] = lambda: uuid.uuid4().hex
@@ -59,7 +61,7 @@ async def not_ready_error(connector: Connector) -> APIError:
         "The server is not ready: models are still loading. Retry shortly.",
         status=503,
         code="model_not_ready",
-        headers={"Retry-After": "5"},
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
     )
 
 

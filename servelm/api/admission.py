@@ -1,0 +1,34 @@
+"""Admission control of generation requests: how many may wait, for how long, and how long one may run.
+
+The settings (``max_waiting``, ``queue_timeout``, ``request_timeout``) live
+on the app's :class:`~servelm.api.serving_base.ServingContext`;
+:meth:`GenerationRun.start <servelm.api.generation_run.GenerationRun.start>`
+applies them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Admission control of generation requests (settings ``max_waiting``,
+    ``queue_timeout``, ``request_timeout``; None: no limit).
+
+    ``max_waiting``: a new request is refused (429 ``queue_full``) while that
+    many engine requests already wait to start. ``queue_timeout``: seconds a
+    request may wait for its first output before it is aborted and answered
+    429 ``queue_timeout``. ``request_timeout``: seconds a whole request may
+    run before it is aborted and answered 408 ``request_timeout`` (an error
+    event then ``[DONE]`` once a stream has begun).
+    """
+
+    max_waiting: int | None = None
+    queue_timeout: float | None = None
+    request_timeout: float | None = None
+
+
+# Retry-After of a 429 for a full queue: engine steps take milliseconds to a
+# second, so the queue moves within a second or two; clients back off from there.
+QUEUE_RETRY_AFTER_S = 1.0
