@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable
 from types import FrameType
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
@@ -158,6 +158,37 @@ class ServelmServer:
         return self.exit_code
 
 
+def _connector(settings: Settings, say: Callable[[str], None]) -> Any:
+    """The engine in this process, or replicas on Ray Serve (None: the cluster cannot be reached, exit 2).
+
+    The Ray cluster is started or joined here, in the main thread, before
+    the server listens: Ray ties the processes it starts to the thread that
+    started them, and an unreachable address must fail the start at once.
+    """
+    if not settings.use_ray:
+        from servelm.connectors.local import LocalConnector
+
+        return LocalConnector(
+            settings.model,
+            settings.embedding_model,
+            settings.engine_config(),
+            served_model_name=settings.served_model_name,
+        )
+    # Imported only here: the default path never loads Ray.
+    from servelm.connectors.ray import RayConnector
+    from servelm.connectors.ray_cluster import RayClusterError
+    from servelm.connectors.ray_deploy import plan_from_settings
+
+    connector = RayConnector(plan_from_settings(settings), settings.ray_address)
+    say(f"connecting to {settings.ray_address or 'a local Ray cluster'}")
+    try:
+        connector.connect()
+    except RayClusterError as exc:
+        say(f"error: --ray-address: {exc}" if settings.ray_address else f"error: {exc}")
+        return None
+    return connector
+
+
 def serve(settings: Settings, out: TextIO = sys.stderr) -> int:
     """Listen at once, load the models in the background, serve until SIGTERM/Ctrl-C or a fatal error.
 
@@ -182,14 +213,10 @@ def serve(settings: Settings, out: TextIO = sys.stderr) -> int:
                 return 2
 
     from servelm.api import create_app
-    from servelm.connectors.local import LocalConnector
 
-    connector = LocalConnector(
-        settings.model,
-        settings.embedding_model,
-        settings.engine_config(),
-        served_model_name=settings.served_model_name,
-    )
+    connector = _connector(settings, say)
+    if connector is None:
+        return 2
     listening = threading.Event()
     app = create_app(connector, settings)
     server = ServelmServer(app, settings, on_ready=lambda url: listening.set())

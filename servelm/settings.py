@@ -221,6 +221,61 @@ class Settings(BaseSettings):
         metavar="URI",
     )
 
+    replicas: int | None = setting(
+        None,
+        "engine replicas on Ray Serve; alone, it starts a Ray cluster inside the server, on 127.0.0.1 (no "
+        "`ray start` needed); with min/max_replicas it is the initial count",
+        group="scale-out on Ray Serve",
+        metavar="N",
+        default_text="no Ray: the engine in this process",
+        ge=1,
+    )
+    ray_address: str | None = setting(
+        None,
+        "join the Ray cluster at HOST:PORT (its head's address, as `ray start --head` prints it) or auto (the "
+        "cluster started on this machine); without replicas, attach to the Serve application already running "
+        "there (deploying one replica when there is none); an address nothing answers at exits with status 2 "
+        "within 30 s",
+        group="scale-out on Ray Serve",
+        metavar="HOST:PORT",
+        default_text="start a cluster here",
+    )
+    replica_cpus: float = setting(
+        1.0, "CPUs Ray reserves for each replica (a replica goes to a node that has them)",
+        group="scale-out on Ray Serve", metavar="N", ge=0,
+    )
+    replica_gpus: float = setting(
+        0.0, "GPUs Ray reserves for each replica", group="scale-out on Ray Serve", metavar="N", ge=0
+    )
+    min_replicas: int | None = setting(
+        None,
+        "autoscaling: Serve keeps between min_replicas and max_replicas replicas, aiming at "
+        "target_ongoing_requests requests in flight per replica",
+        group="scale-out on Ray Serve",
+        metavar="N",
+        default_text="no autoscaling",
+        ge=1,
+    )
+    max_replicas: int | None = setting(
+        None, "autoscaling: most replicas (see min_replicas)", group="scale-out on Ray Serve", metavar="N",
+        default_text="no autoscaling", ge=1,
+    )
+    target_ongoing_requests: float = setting(
+        16.0, "autoscaling: requests in flight per replica that Serve aims for",
+        group="scale-out on Ray Serve", metavar="N", gt=0,
+    )
+    prefix_routing: bool = setting(
+        True,
+        "send a request to the replica that last served its prompt prefix (64 tokens or more), whose prefix "
+        "cache likely holds it, unless that replica has 8 more requests in flight than the least busy one; "
+        "off: power of two choices on load alone",
+        group="scale-out on Ray Serve",
+    )
+    ray_app_name: str = setting(
+        "servelm", "name of the Serve application: one per set of replicas on a cluster",
+        group="scale-out on Ray Serve", metavar="NAME", pattern=r"^[A-Za-z0-9_.-]+$",
+    )
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -280,6 +335,33 @@ class Settings(BaseSettings):
                     f"rate_limits.keys has a key that is not one of api_keys (ending ...{unknown[0][-4:]})"
                 )
         return self
+
+    @field_validator("ray_address", mode="before")
+    @classmethod
+    def _blank_is_none(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _replica_counts(self) -> Settings:
+        low, high = self.min_replicas, self.max_replicas
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_replicas ({low}) must be <= max_replicas ({high})")
+        outside = self.replicas is not None and (
+            (low is not None and self.replicas < low) or (high is not None and self.replicas > high)
+        )
+        if outside:
+            raise ValueError(
+                f"replicas ({self.replicas}) is the initial count with autoscaling and must lie "
+                f"between min_replicas and max_replicas"
+            )
+        return self
+
+    @property
+    def use_ray(self) -> bool:
+        """True when the engines run as replicas on Ray Serve rather than in this process."""
+        return any(v is not None for v in (self.replicas, self.ray_address, self.min_replicas, self.max_replicas))
 
     @field_validator("max_waiting", "queue_timeout", "request_timeout", mode="before")
     @classmethod

@@ -130,6 +130,10 @@ GROUPS: dict[str, str] = {
     "HTTP": "The HTTP server, auth and logs.",
     "admission control": "Bound the engine's queue and each request's time; 0 or none/null: no limit.",
     "rate limits": "Per API key (per client address when no keys are set). Off by default.",
+    "scale-out on Ray Serve": "Run the engines as replicas of a Ray Serve deployment, on this machine or a Ray "
+    "cluster (docs/DEPLOY.md). Any of replicas, ray_address, min_replicas, max_replicas turns it on; without "
+    "them the engine runs in this process and Ray is never loaded. Every endpoint, metric and limit behaves as "
+    "with one engine; max_waiting counts the whole cluster's queue.",
 }
 
 

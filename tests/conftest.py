@@ -8,6 +8,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Ray (tests/ray_serve, and `servelm serve --replicas` started by tests): no token auth
+# in tests, and every address on 127.0.0.1. Set before anything imports Ray,
+# which reads them once.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 MODEL = "smollm2-135m-instruct"
 

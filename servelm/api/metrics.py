@@ -108,7 +108,9 @@ class EngineCollector(Collector):
     """The engines' gauges and totals, from the last :class:`EngineStats` snapshot.
 
     The totals are the engine's own running counts, exported as counters
-    (a counter that restarts with the engine, as Prometheus expects).
+    (a counter that restarts with the engine, as Prometheus expects). On
+    Ray, each replica's figures come with a ``replica`` label beside the
+    deployment's sum, which has none: ``{replica=""}`` selects the sum.
     """
 
     def __init__(self) -> None:
@@ -144,16 +146,24 @@ class EngineCollector(Collector):
                 "servelm:kv_cache_size_bytes", "Memory the KV cache takes.", labels=_MODEL),
         }
         for s in self.stats:
-            labels = [s.model]
-            families["num_requests_running"].add_metric(labels, s.num_running)
-            families["num_requests_waiting"].add_metric(labels, s.num_waiting)
-            families["kv_cache_usage_perc"].add_metric(labels, s.kv_cache_usage)
-            families["prefix_cache_queries"].add_metric(labels, s.prefix_cache_queries)
-            families["prefix_cache_hits"].add_metric(labels, s.prefix_cache_hits)
-            families["num_preemptions"].add_metric(labels, s.num_preemptions)
-            families["model_info"].add_metric([s.model, s.dtype, s.device], 1)
-            families["kv_cache_size_tokens"].add_metric(labels, s.kv_cache_tokens)
-            families["kv_cache_size_bytes"].add_metric(labels, s.kv_cache_bytes)
+            # A replica's own figures carry a `replica` label; the series
+            # without one is this process's engine, or the sum over replicas.
+            labels = {"model_name": s.model} if s.replica is None else {"model_name": s.model, "replica": s.replica}
+            values = {
+                "num_requests_running": s.num_running,
+                "num_requests_waiting": s.num_waiting,
+                "kv_cache_usage_perc": s.kv_cache_usage,
+                "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits,
+                "num_preemptions": s.num_preemptions,
+                "kv_cache_size_tokens": s.kv_cache_tokens,
+                "kv_cache_size_bytes": s.kv_cache_bytes,
+            }
+            for key, value in values.items():
+                family = families[key]
+                suffix = "_total" if isinstance(family, CounterMetricFamily) else ""
+                family.add_sample(family.name + suffix, labels, value)
+            families["model_info"].add_sample("servelm:model_info", {**labels, "dtype": s.dtype, "device": s.device}, 1)
         yield from families.values()
 
 

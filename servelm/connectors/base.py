@@ -76,6 +76,25 @@ class QueueDepth:
     waiting: int = 0
 
 
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One engine replica as ``GET /v1/replicas`` shows it.
+
+    ``state`` is RUNNING, DEAD (its engine loop stopped) or UNRESPONSIVE
+    (a Ray replica that stopped reporting: killed, or its node is gone).
+    """
+
+    replica: str
+    state: str
+    node: str
+    pid: int
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    node_id: str | None = None
+    last_report_s: float = 0.0  # seconds since its last report
+
+
 @runtime_checkable
 class Connector(Protocol):
     """What the API needs from an engine (or a cluster of them).
@@ -121,7 +140,15 @@ class Connector(Protocol):
         ...
 
     async def engine_stats(self) -> list[EngineStats]:
-        """Each engine's gauges and running totals (for /metrics; empty before loading). Cheap."""
+        """Each engine's gauges and running totals (for /metrics; empty before loading). Cheap.
+
+        With several replicas: one entry per replica (``replica`` set) and,
+        per model, their sum (``replica`` None).
+        """
+        ...
+
+    async def replicas(self) -> list[ReplicaStatus]:
+        """The engine replicas behind this connector and their load (``GET /v1/replicas``). Cheap."""
         ...
 
     async def embed(self, model: str, inputs: list[str] | list[list[int]]) -> list[EmbeddingOutput]: ...

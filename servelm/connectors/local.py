@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,6 +16,7 @@ from servelm.connectors.base import (
     ModelCard,
     ModelNotFound,
     QueueDepth,
+    ReplicaStatus,
 )
 from servelm.engine.config import EngineConfig
 from servelm.engine.off_loop import run_sized, text_size
@@ -207,6 +209,21 @@ class LocalConnector:
         scheduler = engine.engine.scheduler
         inbox = engine.num_pending
         return QueueDepth(running=scheduler.num_running, waiting=scheduler.num_waiting + inbox)
+
+    async def replicas(self) -> list[ReplicaStatus]:
+        """This process as the one replica (none before :meth:`load`)."""
+        engine = self.engine
+        if not self._loaded:
+            return []
+        depth = await self.queue_depth()
+        alive = engine is None or engine.is_alive
+        usage = engine.engine.block_manager.usage if engine is not None else 0.0
+        return [
+            ReplicaStatus(
+                replica="local", state="RUNNING" if alive else "DEAD", node="local", pid=os.getpid(),
+                running=depth.running, waiting=depth.waiting, kv_cache_usage=usage,
+            )
+        ]
 
     async def embed(self, model: str, inputs: list[str] | list[list[int]]) -> list[EmbeddingOutput]:
         embedder = self._embedder(model)

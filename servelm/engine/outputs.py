@@ -94,6 +94,7 @@ class EngineStats:
     device: str = ""
     kv_cache_tokens: int = 0
     kv_cache_bytes: int = 0
+    replica: str | None = None  # which replica of a Ray deployment; None: this process, or a sum
 
 
 @dataclass

@@ -16,7 +16,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelm.connectors.base import ConnectorError, ContextLengthExceeded, ModelCard, ModelNotFound, QueueDepth
+from servelm.connectors.base import (
+    ConnectorError,
+    ContextLengthExceeded,
+    ModelCard,
+    ModelNotFound,
+    QueueDepth,
+    ReplicaStatus,
+)
 from servelm.engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -83,6 +90,7 @@ class FakeConnector:
     embed_dim: int = EMBED_DIM
     template_error: Exception | None = None
     hold_before_first: bool = False  # wait on `release` before the first output (a queued request)
+    replica_statuses: list[ReplicaStatus] = field(default_factory=list)  # what replicas() reports
     running: int = 0  # what queue_depth() reports
     waiting: int = 0
     # records
@@ -208,6 +216,9 @@ class FakeConnector:
 
     async def queue_depth(self) -> QueueDepth:
         return QueueDepth(running=self.running, waiting=self.waiting)
+
+    async def replicas(self) -> list[ReplicaStatus]:
+        return self.replica_statuses
 
     async def embed(self, model: str, inputs: list[str] | list[list[int]]) -> list[EmbeddingOutput]:
         card = self._card(model, "embed")

@@ -110,3 +110,35 @@ async def test_each_app_has_its_own_registry(fake):
         await ca.get("/ping")
         text = (await cb.get("/metrics")).text
     assert 'route="/ping"' not in text
+
+
+async def test_replicas_lists_each_replica(client, fake):
+    from servelm.connectors.base import ReplicaStatus
+
+    fake.replica_statuses = [
+        ReplicaStatus(replica="a", state="RUNNING", node="10.0.0.1", pid=11, running=2, waiting=1, kv_cache_usage=0.5),
+        ReplicaStatus(replica="b", state="UNRESPONSIVE", node="10.0.0.2", pid=12),
+    ]
+    r = await client.get("/v1/replicas")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list" and body["serving"] == 1
+    assert [(d["replica"], d["state"], d["running"], d["waiting"], d["kv_cache_usage"]) for d in body["data"]] == [
+        ("a", "RUNNING", 2, 1, 0.5), ("b", "UNRESPONSIVE", 0, 0, 0.0)]
+
+
+async def test_metrics_show_each_replica_and_the_sum(client, fake):
+    from servelm.engine.outputs import EngineStats
+
+    async def stats():
+        return [
+            EngineStats("fake-chat", num_running=3, prefix_cache_hits=30),
+            EngineStats("fake-chat", num_running=1, prefix_cache_hits=10, replica="a"),
+            EngineStats("fake-chat", num_running=2, prefix_cache_hits=20, replica="b"),
+        ]
+
+    fake.engine_stats = stats
+    text = (await client.get("/metrics")).text
+    assert 'servelm:num_requests_running{model_name="fake-chat"} 3.0' in text
+    assert 'servelm:num_requests_running{model_name="fake-chat",replica="a"} 1.0' in text
+    assert 'servelm:prefix_cache_hits_total{model_name="fake-chat",replica="b"} 20.0' in text

@@ -25,6 +25,8 @@ EMBEDDING_MODEL = "all-minilm-l6-v2"
 KV_CACHE_BYTES = 256 << 20
 STARTUP_TIMEOUT_S = 300.0  # a safety net: startup ends when /health says 200
 STOP_TIMEOUT_S = 15.0
+# A server with --replicas starts a Ray cluster and loads the models once per replica.
+RAY_STARTUP_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
@@ -64,7 +66,11 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def server_process(extra_args: Sequence[str] = (), python_args: Sequence[str] = ("-m", "servelm")) -> Iterator[ServerProcess]:
+def server_process(
+    extra_args: Sequence[str] = (),
+    python_args: Sequence[str] = ("-m", "servelm"),
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
+) -> Iterator[ServerProcess]:
     """Start ``servelm serve`` with ``extra_args``, wait until ``/health`` is 200, yield it.
 
     ``python_args`` replace ``-m servelm`` (a test harness that patches the
@@ -85,6 +91,9 @@ def server_process(extra_args: Sequence[str] = (), python_args: Sequence[str] = 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # With --replicas: the server's own Ray cluster, on loopback, without token auth.
+    env.pop("RAY_ADDRESS", None)
+    env.setdefault("RAY_AUTH_MODE", "disabled")
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="servelm-e2e-") as tmp:
         stderr_path = Path(tmp) / "stderr.log"
@@ -92,7 +101,7 @@ def server_process(extra_args: Sequence[str] = (), python_args: Sequence[str] = 
         with open(stderr_path, "wb") as stderr, open(Path(tmp) / "stdout.log", "wb") as stdout:
             proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env)
             try:
-                deadline = time.monotonic() + STARTUP_TIMEOUT_S
+                deadline = time.monotonic() + startup_timeout_s
                 while True:
                     if proc.poll() is not None:
                         pytest.fail(
@@ -106,7 +115,7 @@ def server_process(extra_args: Sequence[str] = (), python_args: Sequence[str] = 
                         pass
                     if time.monotonic() > deadline:
                         pytest.fail(
-                            f"servelm serve was not ready within {STARTUP_TIMEOUT_S:.0f}s:\n{_tail(stderr_path)}"
+                            f"servelm serve was not ready within {startup_timeout_s:.0f}s:\n{_tail(stderr_path)}"
                         )
                     time.sleep(0.5)
                 yield ServerProcess(url, proc, stderr_path)
@@ -115,9 +124,9 @@ def server_process(extra_args: Sequence[str] = (), python_args: Sequence[str] = 
 
 
 @contextlib.contextmanager
-def running_server(extra_args: Sequence[str] = ()) -> Iterator[str]:
+def running_server(extra_args: Sequence[str] = (), startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[str]:
     """Start ``servelm serve`` with ``extra_args``, wait until ``/health`` is 200, yield its base URL."""
-    with server_process(extra_args) as server:
+    with server_process(extra_args, startup_timeout_s=startup_timeout_s) as server:
         yield server.url
 
 

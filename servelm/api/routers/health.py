@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from typing import Any
+
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
@@ -56,3 +59,13 @@ async def metrics(request: Request) -> Response:
     ctx = app_state(request).ctx
     ctx.metrics.update_engine(await ctx.connector.engine_stats())
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/replicas")
+async def replicas(request: Request) -> dict[str, Any]:
+    """The engine replicas serving this server: one (``local``) in process, each Ray Serve replica
+    otherwise, with its state (RUNNING, DEAD, UNRESPONSIVE), node, pid, running and waiting requests
+    and KV cache usage."""
+    connector = app_state(request).ctx.connector
+    rows = [asdict(r) for r in await connector.replicas()]
+    return {"object": "list", "data": rows, "serving": sum(r["state"] == "RUNNING" for r in rows)}

@@ -2,7 +2,7 @@
 import uPlot from "../vendor/uPlot.esm.js";
 import { ApiError, apiFetch } from "./api.js";
 import { askForKey } from "./keyprompt.js";
-import { bucketDelta, buckets, histogramQuantile, labelsOf, parsePrometheus, sum } from "./metrics.js";
+import { bucketDelta, buckets, histogramQuantile, parsePrometheus, sum } from "./metrics.js";
 
 const POINTS = 120; // two minutes of history
 const WINDOW = 10; // percentiles over the last ten scrapes, so one slow request does not vanish at once
@@ -67,13 +67,15 @@ function figures(now, previous, oldest) {
   // Over the window only: a live page shows what happens now, not since the server started.
   const quantile = (name, q) =>
     oldest ? histogramQuantile(q, bucketDelta(buckets(s, name), buckets(oldest.samples, name))) : null;
-  const queries = sum(s, `${P}prefix_cache_queries_total`);
+  // Engine figures: the series without a `replica` label (this process's engine, or the sum over Ray replicas).
+  const engine = (name) => sum(s, name, { replica: undefined });
+  const queries = engine(`${P}prefix_cache_queries_total`);
   return {
     tokensPerSecond: rate(`${P}generation_tokens_total`),
-    running: sum(s, `${P}num_requests_running`),
-    waiting: sum(s, `${P}num_requests_waiting`),
-    kvUsage: 100 * sum(s, `${P}kv_cache_usage_perc`),
-    prefixHitRate: queries > 0 ? (100 * sum(s, `${P}prefix_cache_hits_total`)) / queries : null,
+    running: engine(`${P}num_requests_running`),
+    waiting: engine(`${P}num_requests_waiting`),
+    kvUsage: 100 * engine(`${P}kv_cache_usage_perc`),
+    prefixHitRate: queries > 0 ? (100 * engine(`${P}prefix_cache_hits_total`)) / queries : null,
     ttft: [ms(quantile(`${P}time_to_first_token_seconds`, 0.5)), ms(quantile(`${P}time_to_first_token_seconds`, 0.95))],
     itl: [ms(quantile(`${P}inter_token_latency_seconds`, 0.5)), ms(quantile(`${P}inter_token_latency_seconds`, 0.95))],
     rejectedPerSecond: rate(`${P}http_requests_total`, { status: "429" }),
@@ -82,12 +84,13 @@ function figures(now, previous, oldest) {
 }
 
 function update(f, samples) {
-  const info = labelsOf(samples, `${P}model_info`);
+  const engine = (name) => sum(samples, name, { replica: undefined });
+  const info = (samples.get(`${P}model_info`) || []).find((x) => x.labels.replica === undefined)?.labels;
   show("model", info?.model_name ?? "–");
   show("dtype", info?.dtype ?? "–");
   show("device", info?.device ?? "–");
-  const tokens = sum(samples, `${P}kv_cache_size_tokens`);
-  show("kv-size", tokens ? `${tokens.toLocaleString()} tokens (${bytes(sum(samples, `${P}kv_cache_size_bytes`))})` : "–");
+  const tokens = engine(`${P}kv_cache_size_tokens`);
+  show("kv-size", tokens ? `${tokens.toLocaleString()} tokens (${bytes(engine(`${P}kv_cache_size_bytes`))})` : "–");
   show("uptime", duration(sum(samples, `${P}uptime_seconds`)));
   show("v-tokens", fmt(f.tokensPerSecond));
   show("v-running", String(f.running));
