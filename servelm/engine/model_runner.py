@@ -23,7 +23,7 @@ from servelm.engine.malloc import huge_page_copies, keep_freed_memory
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.kernels import cpu_kernels
-from servelm.models.attention import AttentionMetadata
+from servelm.layers.attention import AttentionMetadata
 from servelm.models.loader import load_model
 from servelm.models.packed import PackedLinear, can_pack, pairs_beat_onednn, replace_linears
 from servelm.models.quantization import Int8Linear, quantize_int8
