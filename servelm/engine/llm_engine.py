@@ -248,7 +248,7 @@ class LLMEngine:
             req = self.requests[s.seq.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        sampling = {s.seq.seq_id: self._seqs[s.seq.seq_id].sampling for s in scheduled if s.samples}
+        sampling = {s.seq.seq_id: self._seqs[s.seq.seq_id].sampling for s in scheduled if s.is_sampling}
         want_prompt_logprobs = {}
         for s in out.prefills:
             req = self.requests[s.seq.request_id]
@@ -261,9 +261,9 @@ class LLMEngine:
             ids = list(dict.fromkeys(s.seq.request_id for s in scheduled))
             return self.fail_requests(ids, f"engine step failed: {type(exc).__name__}: {exc}")
         self.scheduler.postprocess(out)
-        touched = self._apply(result, scheduled)
+        progressed = self._apply(result, scheduled)
         outputs = []
-        for rid in touched:
+        for rid in progressed:
             req = self.requests[rid]
             if req.finished or req.streams:
                 outputs.append(self._make_output(req))
@@ -274,21 +274,23 @@ class LLMEngine:
         return outputs
 
     def _apply(self, result: StepResult, scheduled) -> list[str]:
-        touched: dict[str, None] = {}
+        """Record the step's prompt logprobs and sampled tokens; returns the ids of requests that progressed."""
+        progressed: dict[str, None] = {}  # insertion-ordered set
         for seq_id, positions in result.prompt_logprobs.items():
             state = self._seqs[seq_id]
             req = self.requests[state.seq.request_id]
-            for pos, logprob, top in positions:
-                req.prompt_logprobs[pos] = self._position_logprobs(req.prompt_token_ids[pos], logprob, top)
+            for p in positions:
+                token_id = req.prompt_token_ids[p.position]
+                req.prompt_logprobs[p.position] = self._position_logprobs(token_id, p.logprob, p.top_logprobs)
         for s in scheduled:
-            if s.samples and s.seq.num_generated_tokens == 0:
+            if s.is_sampling and s.seq.num_generated_tokens == 0:
                 req = self.requests[s.seq.request_id]
                 req.num_cached_tokens = max(req.num_cached_tokens, s.seq.num_cached_tokens)
-        for seq_id, (token_id, logprob, top) in result.sampled.items():
+        for seq_id, sampled in result.sampled.items():
             state = self._seqs[seq_id]
-            self._append_token(state, token_id, logprob, top)
-            touched[state.seq.request_id] = None
-        return list(touched)
+            self._append_token(state, sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            progressed[state.seq.request_id] = None
+        return list(progressed)
 
     def _append_token(self, state: _SeqState, token_id: int, logprob: float, top) -> None:
         seq, out, params = state.seq, state.output, state.sampling.params
