@@ -19,6 +19,7 @@ from servelm.connectors.base import (
 from servelm.engine.config import EngineConfig
 from servelm.engine.outputs import EmbeddingOutput, EngineStats, RequestOutput
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
+from servelm.engine.vocabulary import vocabulary_error
 
 logger = logging.getLogger(__name__)
 
@@ -227,10 +228,9 @@ class LocalConnector:
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         tokenizer = self._tokenizer_for(model)
-        vocab = tokenizer.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ConnectorError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        outside = vocabulary_error(token_ids, tokenizer.vocab_size)
+        if outside is not None:
+            raise ConnectorError(outside, param="tokens")
         return tokenizer.decode(token_ids, skip_special_tokens=False)
 
     async def apply_chat_template(

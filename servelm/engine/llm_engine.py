@@ -21,6 +21,7 @@ from servelm.engine.sampler import SamplingState, make_generator
 from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import Sequence
+from servelm.engine.vocabulary import vocabulary_error
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +106,9 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             token_ids = list(prompt)
-            vocab = self.runner.model_config.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidPromptError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            outside = vocabulary_error(token_ids, self.runner.model_config.vocab_size)
+            if outside is not None:
+                raise InvalidPromptError(f"prompt {outside}")
         if not token_ids:
             raise InvalidPromptError("the prompt is empty")
         n = len(token_ids)
@@ -117,10 +117,9 @@ class LLMEngine:
             raise PromptTooLongError(too_long)
         max_tokens = self._max_tokens(n, params)
         if max_tokens < 1 or not self.scheduler.can_ever_fit(n + max_tokens):
-            capacity = self.block_manager.num_blocks * self.config.block_size
             raise InvalidPromptError(
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) can never fit in the KV cache "
-                f"({capacity} tokens); lower max_tokens or give the server more kv_cache_memory"
+                f"({self.block_manager.capacity_tokens} tokens); lower max_tokens or give the server more kv_cache_memory"
             )
         return token_ids
 
@@ -132,8 +131,7 @@ class LLMEngine:
         """
         if params.max_tokens is not None:
             return min(params.max_tokens, self.max_model_len - prompt_len)
-        capacity = self.block_manager.num_blocks * self.config.block_size
-        return min(self.max_model_len, capacity) - prompt_len
+        return min(self.max_model_len, self.block_manager.capacity_tokens) - prompt_len
 
     def add_request(
         self,
