@@ -41,9 +41,7 @@ class Rope(NamedTuple):
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE from a float32 cos/sin table over every position."""
 
-    def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)

@@ -49,7 +49,9 @@ class Attention(nn.Module):
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qk_norm = None if self.q_norm is None else (self.q_norm, self.k_norm)
-        q, k, v = split_and_rotate_qkv(self.qkv_proj(x), rope, self.num_heads, self.num_kv_heads, self.head_dim, qk_norm)
+        q, k, v = split_and_rotate_qkv(
+            self.qkv_proj(x), rope, self.num_heads, self.num_kv_heads, self.head_dim, qk_norm
+        )
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
@@ -183,7 +185,10 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
-            dest = param.data if shard is None else self.get_submodule(target.rpartition(".")[0]).shard(param.data, shard)
+            if shard is None:
+                dest = param.data
+            else:  # the rows of the fused layer that this HF tensor fills
+                dest = self.get_submodule(target.rpartition(".")[0]).shard(param.data, shard)
             if dest.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"

@@ -18,9 +18,7 @@ if TYPE_CHECKING:
     from servelm.models.llama import LlamaForCausalLM
 
 
-def build_one_token_decoder(
-    model: LlamaForCausalLM, kv_caches: list[torch.Tensor]
-) -> kernels.OneTokenDecoder | None:
+def build_one_token_decoder(model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> kernels.OneTokenDecoder | None:
     """The one-call decoding step of ``model`` over ``kv_caches``, or None where it does not apply.
 
     It applies on the CPU in bfloat16 when every linear layer keeps weights
