@@ -24,6 +24,7 @@ from starlette.requests import HTTPConnection
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from servelm.api.disconnects import logged_status
 from servelm.api.metrics import route_label
 
 ACCESS_LOGGER = "servelm.access"
@@ -73,7 +74,8 @@ class AccessLogMiddleware:
     Sits outside every other middleware but CORS, so rejected requests
     (401, 413, 429) and unexpected errors (500) are logged too, with the
     status the client saw. A streamed response is logged after its last
-    byte, so its total time covers the whole stream.
+    byte, so its total time covers the whole stream; a stream whose client
+    left before its end is logged as 499, as the metrics count it.
     """
 
     def __init__(
@@ -118,7 +120,7 @@ class AccessLogMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            self._log(scope, record, status, self.timer())
+            self._log(scope, record, logged_status(scope, status), self.timer())
 
     def _log(self, scope: Scope, record: RequestRecord, status: int, ended: float) -> None:
         if not self.logger.isEnabledFor(logging.INFO):

@@ -8,6 +8,7 @@ parameters, unknown routes) into that envelope with the right status.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Any
@@ -16,8 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from servelm.api.access_log import request_record
+from servelm.api.request_model import SURROGATE_ERROR
 from servelm.connectors.base import ConnectorError, ContextLengthExceeded
 from servelm.engine.context_limit import context_length_error
 from servelm.engine.sampling_params import SamplingParamsError
@@ -27,6 +31,13 @@ logger = logging.getLogger("servelm.api")
 # pydantic puts union members and wrapper validators in an error's location
 # ("str", "list[int]", "function-after[...]"); they mean nothing to a client.
 _LOC_NOISE = re.compile(r"[\[\]\-]|^(str|int|float|bool|list|dict|none|json-or-python|tagged-union)$")
+# pydantic quotes expected values the Python way ('float'); a JSON API shows them as JSON ("float").
+_PY_QUOTED = re.compile(r"'([^'\\]*)'")
+# What Starlette/FastAPI say when the body is not decodable JSON at all (invalid
+# UTF-8, nesting past the parser's recursion limit): not a JSONDecodeError.
+_UNPARSABLE_BODY = "There was an error parsing the body"
+# Longest JSON rendering of a rejected value quoted back in a message.
+_MAX_SHOWN = 80
 
 
 class APIError(Exception):
@@ -190,7 +201,34 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(f"Unrecognized request argument supplied: {param}", status=400, param=param)
     if kind == "missing":
         return APIError(f"Missing required parameter: '{param}'.", status=400, param=param)
-    return APIError(f"Invalid value for '{param}': {err.get('msg', 'invalid')}.", status=400, param=param)
+    if kind == SURROGATE_ERROR:
+        where = (err.get("ctx") or {}).get("field") or ""
+        param = ".".join(p for p in (param, where) if p).replace(".[", "[") or None
+        return APIError(
+            f"Invalid value for '{param or 'body'}': a string (or key) holds a lone UTF-16 surrogate "
+            "(e.g. \\ud800), which is not valid Unicode text.",
+            status=400,
+            param=param,
+        )
+    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    msg = _PY_QUOTED.sub(r'"\1"', msg).rstrip(".")
+    return APIError(f"Invalid value for '{param}': {msg}{_shown(err.get('input'))}.", status=400, param=param)
+
+
+def json_value(value: Any) -> str:
+    """``value`` as JSON for an error message (``true``, not ``True``); shortened if long."""
+    try:
+        text = json.dumps(value, separators=(", ", ": "), default=str)
+    except (TypeError, ValueError):
+        text = json.dumps(str(value))
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
+
+
+def _shown(value: Any) -> str:
+    """", got <value>" for a scalar the client sent; nothing for objects, lists or absent values."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return f", got {json_value(value)}"
+    return ""
 
 
 def install_exception_handlers(app: FastAPI) -> None:
@@ -212,6 +250,11 @@ def install_exception_handlers(app: FastAPI) -> None:
             message, code = f"Invalid URL ({request.method} {request.url.path})", "unknown_url"
         elif status == 405:
             message, code = f"Method {request.method} is not allowed for {request.url.path}", "method_not_allowed"
+        elif status == 400 and exc.detail == _UNPARSABLE_BODY:
+            message = (
+                "The request body is not valid JSON: it could not be decoded (invalid UTF-8, or nested too deeply)."
+            )
+            code = "invalid_json"
         else:
             message, code = str(exc.detail), None
         return error_response(status, message, code=code, headers=getattr(exc, "headers", None))
@@ -253,9 +296,14 @@ class CatchAllMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception:
-            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            record = request_record(HTTPConnection(scope))
+            request_id = record.request_id if record is not None else "-"
+            logger.exception(
+                "unhandled error in %s %s (request %s)", scope.get("method"), scope.get("path"), request_id
+            )
             if started:
                 return  # too late for a status; the stream just ends
             err = api_error_from(RuntimeError())
-            response = error_response(err.status, err.message, type=err.type)
+            message = f"{err.message.rstrip('.')} (request id {request_id})."
+            response = error_response(err.status, message, type=err.type)
             await response(scope, receive, send)

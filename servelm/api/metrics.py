@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from servelm.api.disconnects import logged_status
 from servelm.engine.outputs import EngineStats
 
 __all__ = ["CONTENT_TYPE_LATEST", "EngineCollector", "Metrics", "MetricsMiddleware", "RequestRecorder", "route_label"]
@@ -236,5 +237,5 @@ class MetricsMiddleware:
         finally:
             route = route_label(scope, self.routes)
             method = scope.get("method", "")
-            self.metrics.http_requests.labels(method, route, str(status)).inc()
+            self.metrics.http_requests.labels(method, route, str(logged_status(scope, status))).inc()
             self.metrics.http_latency.labels(method, route).observe(time.perf_counter() - start)

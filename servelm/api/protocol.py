@@ -10,24 +10,18 @@ the harmless one is rejected by name. Responses mirror OpenAI's shapes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
-# Bounded so a huge id is a 400 here rather than an overflow in the engine;
-# the engine still checks ids against its vocabulary.
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-TokenIds = list[TokenId]
-
+from servelm.api.request_model import RequestModel, TokenIds, check_token_id_lists
 
 def _absent(value: Any) -> bool:
     return value is None or value == [] or value == {}
 
 
-class OpenAIRequest(BaseModel):
-    """Base of every request body: unknown fields are errors."""
-
-    model_config = ConfigDict(extra="forbid")
+class OpenAIRequest(RequestModel):
+    """Base of every request body: unknown fields are errors (and see :class:`RequestModel`)."""
 
     # field name -> predicate that is true for the values servelm can honour
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {}
@@ -41,10 +35,10 @@ class OpenAIRequest(BaseModel):
         return None
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     """``stream_options``: usage reporting on streams."""
 
-    model_config = ConfigDict(extra="forbid")
+    SCAN_TEXT: ClassVar[bool] = False  # always inside a request body, which scans it
 
     include_usage: bool | None = Field(False, description="Send a last chunk with usage and empty choices.")
     include_obfuscation: bool | None = Field(
@@ -80,19 +74,20 @@ class SamplingFields(OpenAIRequest):
 # --- chat completions -------------------------------------------------------
 
 
-class ContentPart(BaseModel):
+class ContentPart(RequestModel):
     """One part of a message's content; only ``type: "text"`` is supported."""
 
     model_config = ConfigDict(extra="allow")
+    SCAN_TEXT: ClassVar[bool] = False  # always inside a request body, which scans it
 
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     """A chat message in the request."""
 
-    model_config = ConfigDict(extra="forbid")
+    SCAN_TEXT: ClassVar[bool] = False  # always inside a request body, which scans it
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -270,6 +265,8 @@ class CompletionRequest(SamplingFields):
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {"suffix": lambda v: v == ""}
 
+    _token_ids = field_validator("prompt", mode="before")(check_token_id_lists)
+
 
 class CompletionLogprobs(BaseModel):
     """Legacy completions logprobs: parallel lists, one entry per token."""
@@ -314,6 +311,8 @@ class EmbeddingRequest(OpenAIRequest):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, description="Only the model's own dimension is accepted.")
     user: str | None = None
+
+    _token_ids = field_validator("input", mode="before")(check_token_id_lists)
 
 
 class EmbeddingData(BaseModel):

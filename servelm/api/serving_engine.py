@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from servelm.api.errors import APIError, ClientDisconnected, ServerShuttingDown
+from servelm.api.errors import APIError, ClientDisconnected, ServerShuttingDown, json_value
 from servelm.api.lifecycle import Lifecycle
 from servelm.api.metrics import Metrics
 from servelm.api.protocol import ChatMessage, SamplingFields
@@ -53,7 +53,8 @@ async def not_ready_error(connector: Connector) -> APIError:
     with Retry-After) or down for good (``engine_dead``)."""
     fatal = await connector.fatal_error()
     if fatal is not None:
-        return APIError(f"The engine is down: {fatal}.", status=503, code="engine_dead")
+        # Why is for the server log (where the server prints it as it exits), not for clients.
+        return APIError("The engine is down; the server is exiting.", status=503, code="engine_dead")
     return APIError(
         "The server is not ready: models are still loading. Retry shortly.",
         status=503,
@@ -191,7 +192,7 @@ def check_supported(req: Any) -> None:
     name = req.unsupported_param()
     if name is not None:
         raise APIError(
-            f"'{name}' is not supported by servelm (value: {getattr(req, name)!r}).", status=400, param=name
+            f"'{name}' is not supported by servelm (value: {json_value(getattr(req, name))}).", status=400, param=name
         )
     if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
         raise APIError("stream_options can only be set when stream is true.", status=400, param="stream_options")

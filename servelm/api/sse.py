@@ -10,7 +10,9 @@ from typing import Any
 import anyio
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from servelm.api.disconnects import mark_client_gone
 
 logger = logging.getLogger("servelm.api")
 
@@ -51,16 +53,26 @@ class EventStreamResponse(StreamingResponse):
         try:
             async with anyio.create_task_group() as tg:
 
+                complete = False  # the last body message has been handed to the server
+
+                async def tracking_send(message: Message) -> None:
+                    nonlocal complete
+                    if message["type"] == "http.response.body" and not message.get("more_body", False):
+                        complete = True
+                    await send(message)
+
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
+                        await self.stream_response(tracking_send)
                     except OSError:
-                        pass  # the client went away mid-write (ASGI spec 2.4 servers)
+                        mark_client_gone(scope)  # the client went away mid-write (ASGI spec 2.4 servers)
                     tg.cancel_scope.cancel()
 
                 async def watch() -> None:
                     while (await receive())["type"] != "http.disconnect":
                         pass
+                    if not complete:
+                        mark_client_gone(scope)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)

@@ -17,6 +17,7 @@ from servelm.connectors.base import (
     QueueDepth,
 )
 from servelm.engine.config import EngineConfig
+from servelm.engine.off_loop import run_sized, text_size
 from servelm.engine.outputs import EmbeddingOutput, EngineStats, RequestOutput
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
 from servelm.engine.vocabulary import vocabulary_error
@@ -26,7 +27,10 @@ logger = logging.getLogger(__name__)
 
 def _engine_dead(exc: Exception) -> ConnectorError:
     # The server exits on a dead engine; until then its requests get a 503.
-    return ConnectorError(f"The engine is down: {exc}", status=503, type="service_unavailable_error", code="engine_dead")
+    # Why it died is in the server log (the engine loop logs it), not for clients.
+    return ConnectorError(
+        "The engine is down; the server is exiting.", status=503, type="service_unavailable_error", code="engine_dead"
+    )
 
 
 class LocalConnector:
@@ -221,17 +225,25 @@ class LocalConnector:
         except ValueError as exc:
             raise ConnectorError(str(exc), param="input") from None
 
+    # Tokenizing, detokenizing and rendering a big input run in a worker thread
+    # (see servelm.engine.off_loop), so they never stall the event loop.
+
     async def tokenize(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.embedder is not None and model == self.embedding_model:
-            return self.embedder.tokenize(text)
-        return self._tokenizer_for(model).encode(text, add_special_tokens=add_special_tokens)
+            return await run_sized(len(text), self.embedder.tokenize, text)
+        tokenizer = self._tokenizer_for(model)
+        return await run_sized(len(text), tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         tokenizer = self._tokenizer_for(model)
-        outside = vocabulary_error(token_ids, tokenizer.vocab_size)
-        if outside is not None:
-            raise ConnectorError(outside, param="tokens")
-        return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+        def decode() -> str:
+            outside = vocabulary_error(token_ids, tokenizer.vocab_size)
+            if outside is not None:
+                raise ConnectorError(outside, param="tokens")
+            return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+        return await run_sized(len(token_ids), decode)
 
     async def apply_chat_template(
         self,
@@ -245,8 +257,13 @@ class LocalConnector:
         from jinja2 import TemplateError
 
         try:
-            return tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template, **kwargs
+            return await run_sized(
+                text_size(messages) + text_size(kwargs),
+                tokenizer.apply_chat_template,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                **kwargs,
             )
         except (ValueError, TemplateError) as exc:
             raise ConnectorError(str(exc), param="messages") from None

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from servelm.engine.llm_engine import LLMEngine
+from servelm.engine.off_loop import run_sized
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.sampling_params import SamplingParams
 
@@ -89,7 +90,10 @@ class AsyncLLMEngine:
         """
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
-        token_ids = self.engine.prepare_prompt(prompt, params)
+        # A long text prompt is tokenized in a worker thread (the engine's
+        # tokenizer is safe to share); a token list is already bounded by the context.
+        size = len(prompt) if isinstance(prompt, str) else 0
+        token_ids = await run_sized(size, self.engine.prepare_prompt, prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:

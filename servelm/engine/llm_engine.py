@@ -100,8 +100,11 @@ class LLMEngine:
         """Tokenize and validate a prompt against the context and the KV cache.
 
         Pure with respect to engine state, so the async engine can call it
-        from the event loop and report errors before queueing.
+        from the event loop and report errors before queueing. Also checks
+        the token ids in ``params`` against the vocabulary
+        (:class:`SamplingParamsError`).
         """
+        params.check_vocab(self.runner.model_config.vocab_size)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
@@ -198,14 +201,19 @@ class LLMEngine:
         for state in req.choices:
             self._seqs.pop(state.seq.seq_id, None)
 
-    def fail_requests(self, request_ids: list[str], message: str) -> list[RequestOutput]:
-        """End requests with an error (e.g. their step raised); returns their final outputs."""
+    def fail_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """End requests with an error (e.g. their step raised); returns their final outputs.
+
+        The error a client sees names only its request id: what went wrong
+        is in the server log (logged by the caller under the same id), never
+        in a response.
+        """
         outputs = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            req.error = message
+            req.error = f"see the server log under request id {rid}"
             for state in req.choices:
                 if not state.output.finished:
                     state.output.finish_reason = "error"
@@ -254,13 +262,16 @@ class LLMEngine:
                 want_prompt_logprobs[s.seq.seq_id] = req.params.prompt_logprobs
         try:
             result = self.runner.execute(out, sampling, want_prompt_logprobs)
-        except Exception as exc:  # a failing step fails its requests, not the engine
-            logger.exception("engine step failed")
+        except Exception:  # a failing step fails its requests, not the engine
             ids = list(dict.fromkeys(s.seq.request_id for s in scheduled))
-            return self.fail_requests(ids, f"engine step failed: {type(exc).__name__}: {exc}")
+            logger.exception("engine step failed; failing requests %s", ", ".join(ids))
+            return self.fail_requests(ids)
         self.scheduler.postprocess(out)
+        # Sequences whose own sampling failed (the runner isolates them): only their requests fail.
+        failed = list(dict.fromkeys(self._seqs[seq_id].seq.request_id for seq_id in result.failed))
         progressed = self._apply(result, scheduled)
-        outputs = []
+        outputs = self.fail_requests(failed)
+        progressed = [rid for rid in progressed if rid in self.requests]
         for rid in progressed:
             req = self.requests[rid]
             if req.finished or req.streams:

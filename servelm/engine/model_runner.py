@@ -17,6 +17,7 @@ import torch
 from servelm.engine.config import EngineConfig
 from servelm.engine.device import resolve_device, resolve_dtype
 from servelm.engine.malloc import keep_freed_memory
+from servelm.engine.sample_isolation import sample_isolated
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.kernels import cpu_kernels
@@ -52,10 +53,13 @@ class StepResult:
     ``sampled``: seq_id -> its sampled token, for every sequence that sampled.
     ``prompt_logprobs``: seq_id -> the prompt logprobs its prefill chunk
     computed, one per position of the chunk whose next token is a prompt token.
+    ``failed``: the sequences whose own sampling raised (logged by the
+    sampler's isolation); the others sampled normally.
     """
 
     sampled: dict[int, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)
+    failed: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -126,6 +130,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []  # flattened index of the last token of each sampling chunk
         sample_seqs: list[int] = []
+        sample_requests: list[str] = []
         prompt_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, start position)
         bs = self.block_size
         for sch in scheduled:
@@ -143,6 +148,7 @@ class ModelRunner:
             if sch.is_sampling:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq.seq_id)
+                sample_requests.append(seq.request_id)
             if seq.seq_id in want_prompt_logprobs:
                 prompt_rows[seq.seq_id] = (row0, start)
 
@@ -170,10 +176,13 @@ class ModelRunner:
         result = StepResult()
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-            sampled = self.sampler(logits, [sampling[s] for s in sample_seqs])
-            for i, seq_id in enumerate(sample_seqs):
-                top = sampled.top_logprobs[i] if sampled.top_logprobs is not None else None
-                result.sampled[seq_id] = SampledToken(sampled.token_ids[i], sampled.logprobs[i], top)
+            states = [sampling[s] for s in sample_seqs]
+            for i, row in enumerate(sample_isolated(self.sampler, logits, states, sample_requests)):
+                seq_id = sample_seqs[i]
+                if row is None:
+                    result.failed.append(seq_id)
+                else:
+                    result.sampled[seq_id] = SampledToken(*row)
         for sch in out.prefills:
             seq = sch.seq
             if seq.seq_id in prompt_rows:

@@ -85,7 +85,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = apply_logits_processors(logits, states)
-        token_ids = _choose(processed, states)
+        token_ids = _choose(processed, logits, states)
         chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
         return SamplerOutput(
             token_ids=token_ids.tolist(),
@@ -185,27 +185,54 @@ def apply_penalties(
     return logits
 
 
-def _choose(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+def _choose(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     greedy = [is_greedy(s.params) for s in states]
-    # max's indices, not argmax: the same first index of the largest, but argmax of a
-    # [rows, vocab] CPU tensor takes about twice as long in torch 2.13.
     if all(greedy):
-        return x.max(dim=-1).indices
+        return greedy_tokens(x, raw)
     if not any(greedy):
-        return _sample(x, states)
+        return _sample(x, raw, states)
     dev = x.device
     tokens = torch.empty(len(states), dtype=torch.long, device=dev)
-    g_rows = torch.tensor([i for i, g in enumerate(greedy) if g], device=dev)
+    g_idx = [i for i, g in enumerate(greedy) if g]
     s_idx = [i for i, g in enumerate(greedy) if not g]
+    g_rows = torch.tensor(g_idx, device=dev)
     s_rows = torch.tensor(s_idx, device=dev)
-    tokens[g_rows] = x[g_rows].max(dim=-1).indices
-    tokens[s_rows] = _sample(x[s_rows], [states[i] for i in s_idx])
+    tokens[g_rows] = greedy_tokens(x[g_rows], raw[g_rows])
+    tokens[s_rows] = _sample(x[s_rows], raw[s_rows], [states[i] for i in s_idx])
     return tokens
 
 
-def _sample(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then one random draw per row."""
+def greedy_tokens(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, ignoring NaN; a row with nothing above -inf takes ``raw``'s argmax.
+
+    ``x`` holds processed logits and ``raw`` the model's. A row whose
+    processing left no finite choice (every token banned, or NaN from a
+    degenerate model output) still gets a valid token id rather than an
+    error that would fail the whole batch.
+    """
+    # max's indices, not argmax: the same first index of the largest, but argmax of a
+    # [rows, vocab] CPU tensor takes about twice as long in torch 2.13.
+    values, tokens = x.max(dim=-1)
+    bad = ~(values > float("-inf"))  # NaN compares false too
+    if bad.any():
+        rows = bad.nonzero()[:, 0]
+        neg_inf = torch.tensor(float("-inf"), device=x.device)
+        cleaned = torch.where(x[rows].isnan(), neg_inf, x[rows])
+        fallback = torch.where(raw[rows].isnan(), neg_inf, raw[rows]).max(dim=-1).indices
+        values, picked = cleaned.max(dim=-1)
+        tokens[rows] = torch.where(values > float("-inf"), picked, fallback)
+    return tokens
+
+
+def _sample(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one random draw per row.
+
+    A row whose distribution degenerates (no finite, positive probability
+    left: everything banned, or an overflow to infinity) takes the greedy
+    token of its processed logits instead; the other rows are unaffected.
+    """
     dev, vocab = x.device, x.shape[1]
+    processed = x
     params = [s.params for s in states]
     x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
     stages = (
@@ -222,7 +249,15 @@ def _sample(x: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
             else:
                 index = torch.tensor(rows, device=dev)
                 x[index] = stage(x[index], values)
-    return random_choice(x.softmax(dim=-1), [s.generator for s in states])
+    probs = x.softmax(dim=-1)
+    degenerate = ~(probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0))
+    if not degenerate.any():
+        return random_choice(probs, [s.generator for s in states])
+    # The draw still runs for every row, so seeded rows consume their generators as always.
+    tokens = random_choice(torch.where(degenerate[:, None], 1.0, probs), [s.generator for s in states])
+    bad = degenerate.nonzero()[:, 0]
+    tokens[bad] = greedy_tokens(processed[bad], raw[bad])
+    return tokens
 
 
 def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
@@ -258,7 +293,8 @@ def _nucleus_cutoff(sorted_probs: torch.Tensor, p: torch.Tensor) -> tuple[torch.
     """Each row's smallest kept probability, and how many of the columns are kept."""
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     # mass_before only grows, so the kept tokens are a prefix; the first (mass 0 < p) always stays.
-    num_kept = (mass_before < p).sum(dim=-1, keepdim=True)
+    # At least one: a NaN row (caught after softmax) must not index column -1.
+    num_kept = (mass_before < p).sum(dim=-1, keepdim=True).clamp_(min=1)
     return sorted_probs.gather(1, num_kept - 1), num_kept
 
 
@@ -289,7 +325,8 @@ def random_choice(probs: torch.Tensor, generators: list[torch.Generator | None])
     # exceeds it is a token with a non-zero probability: a banned token adds
     # nothing to the sum and can never be that index.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[:, 0]
+    # Clamped: rounding in the running sum must never yield an index past the vocabulary.
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
 
 
 def _top_logprobs(raw_logprobs: torch.Tensor, states: list[SamplingState]) -> list | None:

@@ -2,9 +2,39 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+import struct
 from dataclasses import dataclass, field
+
+# The sampler computes in float32: a parameter must survive that conversion.
+# Below the smallest normal float32 a divisor or a threshold turns into 0 or a
+# subnormal whose reciprocal overflows; above the largest it is infinity.
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def float32_problem(value: float) -> str | None:
+    """Why ``value`` cannot be used as a float32 sampling parameter, or None if it can."""
+    if value == 0.0:
+        return None
+    try:
+        (as_f32,) = struct.unpack("f", struct.pack("f", value))
+    except OverflowError:
+        return f"is too large (float32, the sampler's type, ends at {FLOAT32_MAX:.4g})"
+    if math.isinf(as_f32):
+        return f"is too large (float32, the sampler's type, ends at {FLOAT32_MAX:.4g})"
+    if abs(as_f32) < FLOAT32_MIN_NORMAL:
+        return f"is too close to 0 (float32, the sampler's type, has no normal number below {FLOAT32_MIN_NORMAL:.4g})"
+    return None
+
+
+def _json(value: object) -> str:
+    try:
+        return json.dumps(value, default=str)
+    except (TypeError, ValueError):
+        return json.dumps(str(value))
 
 
 class SamplingParamsError(ValueError):
@@ -64,7 +94,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> None:
-            raise SamplingParamsError(name, f"{name} {why}, got {getattr(self, name)!r}")
+            raise SamplingParamsError(name, f"{name} {why}, got {_json(getattr(self, name))}")
 
         # A string would make the range checks below raise TypeError, and an
         # infinite temperature or penalty turns banned logits into NaN.
@@ -73,6 +103,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or not math.isfinite(value):
                 bad(name, "must be a finite number")
+            problem = float32_problem(float(value))
+            if problem is not None:
+                bad(name, problem)
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
         if not isinstance(self.best_of, int) or self.best_of < self.n:
@@ -111,6 +144,20 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise :class:`SamplingParamsError` for a token id outside ``[0, vocab_size)``.
+
+        Separate from construction because only the engine knows its
+        vocabulary; it calls this before queueing. OpenAI and vLLM reject such
+        ids rather than ignoring them.
+        """
+        for name, ids in (("logit_bias", list(self.logit_bias or ())), ("stop_token_ids", self.stop_token_ids)):
+            for tok in ids:
+                if not 0 <= tok < vocab_size:
+                    raise SamplingParamsError(
+                        name, f"{name} holds token id {tok}, outside the model's vocabulary [0, {vocab_size})"
+                    )
 
     @property
     def greedy(self) -> bool:

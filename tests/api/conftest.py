@@ -61,7 +61,9 @@ class ThreadedServer:
 
     def __enter__(self) -> str:
         self.thread.start()
-        deadline = time.monotonic() + 10
+        # Waits for the server's own "started" state; the deadline is only a
+        # safety net for a server that hangs, generous for a busy machine.
+        deadline = time.monotonic() + 120
         while not self.server.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("uvicorn did not start")
@@ -70,7 +72,7 @@ class ThreadedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.server.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=60)
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from servelm.engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
 
 BOS, EOS, OFFSET = 1, 2, 3
 QUEUE_TIME = 0.25  # what every output reports as the request's queue time
@@ -136,6 +136,10 @@ class FakeConnector:
             raise self.raise_on_start
         prompt_ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_ids(prompt_ids, "prompt")
+        try:
+            params.check_vocab(VOCAB_SIZE)  # as the local connector's engine does
+        except SamplingParamsError as exc:
+            raise ConnectorError(str(exc), param=exc.param) from None
         budget = self.max_model_len - len(prompt_ids)
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceeded(

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import httpx
+
+from servelm.api.access_log import ACCESS_LOGGER
 
 from .conftest import ThreadedServer, make_app
 
@@ -44,14 +47,14 @@ async def drive(app, path: str, body: dict, disconnect: asyncio.Event) -> list[d
         "client": ("127.0.0.1", 50000),
         "server": ("testserver", 80),
     }
-    await asyncio.wait_for(app(scope, receive, send), timeout=5)
+    await asyncio.wait_for(app(scope, receive, send), timeout=60)  # a safety net: the call ends on its own
     return sent
 
 
 async def disconnect_when_held(fake, app, path, body) -> list[dict]:
     disconnect = asyncio.Event()
     task = asyncio.create_task(drive(app, path, body, disconnect))
-    await asyncio.wait_for(fake.held.wait(), timeout=5)
+    await asyncio.wait_for(fake.held.wait(), timeout=60)
     disconnect.set()
     return await task
 
@@ -92,14 +95,35 @@ async def test_metrics_count_a_disconnect_as_an_abort(fake):
 def test_real_socket_disconnect_aborts(fake):
     fake.hold_after = 2
     with ThreadedServer(make_app(fake)) as url:
-        with httpx.Client(base_url=url, timeout=5) as client:
+        with httpx.Client(base_url=url, timeout=60) as client:
             with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
                 assert r.status_code == 200
                 lines = r.iter_lines()
                 first = next(line for line in lines if line.startswith("data: "))
                 assert '"role":"assistant"' in first
             # leaving the block closes the connection mid-stream
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # a safety net; the abort comes as soon as the server notices
         while not fake.aborted and time.monotonic() < deadline:
             time.sleep(0.02)
     assert fake.aborted == ["chatcmpl-test"]
+
+
+async def test_an_aborted_stream_is_logged_and_counted_as_499(fake, caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    fake.hold_after = 2
+    app = make_app(fake)
+    sent = await disconnect_when_held(fake, app, "/v1/chat/completions", {**CHAT, "stream": True})
+    assert sent[0]["status"] == 200  # on the wire the stream had begun
+    (line,) = [r.access for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert line["status"] == 499
+    text = app.state.servelm.ctx.metrics.render().decode()
+    assert 'servelm:http_requests_total{method="POST",route="/v1/chat/completions",status="499"} 1.0' in text
+    assert 'status="200"' not in text
+
+
+async def test_a_finished_stream_is_logged_200(fake, caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    never = asyncio.Event()  # the client stays to the end
+    await drive(make_app(fake), "/v1/chat/completions", {**CHAT, "stream": True}, never)
+    (line,) = [r.access for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert line["status"] == 200

@@ -273,7 +273,7 @@ def test_serve_listens_while_loading_then_drains_on_sigterm(tmp_path, monkeypatc
 
         def load(self, progress=None):
             progress("loading fake weights")
-            assert loaded.wait(timeout=20)
+            assert loaded.wait(timeout=120)  # safety nets: these waits end on events
             self.healthy = True
 
         def shutdown(self):
@@ -295,17 +295,17 @@ def test_serve_listens_while_loading_then_drains_on_sigterm(tmp_path, monkeypatc
             codes: list[int] = []
             thread = threading.Thread(target=lambda: codes.append(super(SigtermServer, self).run()))
             thread.start()
-            assert self.listening.wait(timeout=20)
+            assert self.listening.wait(timeout=120)
             for probe in ("/health", "/ready"):
                 events.append(f"{probe} {httpx.get(self.url + probe).status_code}")
             loaded.set()
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 120
             while httpx.get(self.url + "/ready").status_code != 200:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             events.append("ready 200")
             self.server.handle_exit(signal.SIGTERM, None)
-            thread.join(timeout=20)
+            thread.join(timeout=120)
             return codes[0]
 
     monkeypatch.setattr(local, "LocalConnector", FakeLocal)

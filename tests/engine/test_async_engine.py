@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -69,7 +70,7 @@ async def test_bad_request_fails_before_first_output_and_loop_survives(engine):
     assert total.finished and len(total.outputs[0].token_ids) == 3
 
 
-async def test_failing_step_fails_its_requests_only(engine, monkeypatch):
+async def test_failing_step_fails_its_requests_only(engine, monkeypatch, caplog):
     runner = engine.engine.runner
     real = runner.execute
     calls = {"n": 0}
@@ -81,10 +82,50 @@ async def test_failing_step_fails_its_requests_only(engine, monkeypatch):
         return real(out, sampling, want)
 
     monkeypatch.setattr(runner, "execute", flaky)
-    total, _ = await _collect(engine, "victim", "Hello there", SamplingParams(temperature=0.0, max_tokens=5))
-    assert total.error and "injected fault" in total.error
+    with caplog.at_level(logging.ERROR, logger="servelm.engine.llm_engine"):
+        total, _ = await _collect(engine, "victim", "Hello there", SamplingParams(temperature=0.0, max_tokens=5))
+    # The client hears which request failed, never how: that is in the log, under its id.
+    assert total.error and "victim" in total.error and "injected fault" not in total.error
+    assert "injected fault" in caplog.text and "victim" in caplog.text
     assert total.outputs[0].finish_reason == "error"
     monkeypatch.setattr(runner, "execute", real)
     total, _ = await _collect(engine, "survivor", "Hello there", SamplingParams(temperature=0.0, max_tokens=5))
     assert total.error is None and total.outputs[0].finish_reason == "length"
+    assert engine.is_alive
+
+
+async def test_a_request_whose_sampling_fails_fails_alone(engine, monkeypatch):
+    """Three requests share steps; sampling raises whenever the culprit's row is in the batch.
+
+    The culprit fails with an error naming it; the bystanders finish with
+    exactly the tokens they get when run alone.
+    """
+    from servelm.engine.sampler import Sampler
+
+    culprit_seed = 4242
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = ["The sky is", "Two plus two is"]
+    alone = [(await _collect(engine, f"alone{i}", p, params))[0].outputs[0].token_ids for i, p in enumerate(prompts)]
+
+    runner = engine.engine.runner
+    real = runner.sampler
+
+    class Fragile(Sampler):
+        def __call__(self, logits, states):
+            if any(s.params.seed == culprit_seed for s in states):
+                raise RuntimeError("injected sampler fault")
+            return real(logits, states)
+
+    monkeypatch.setattr(runner, "sampler", Fragile())
+    bad = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, seed=culprit_seed)
+    results = await asyncio.gather(
+        _collect(engine, "by0", prompts[0], params),
+        _collect(engine, "culprit", "Hello there", bad),
+        _collect(engine, "by1", prompts[1], params),
+    )
+    (by0, _), (culprit, _), (by1, _) = results
+    assert culprit.error and "culprit" in culprit.error and "injected" not in culprit.error
+    for total, expected in ((by0, alone[0]), (by1, alone[1])):
+        assert total.error is None and total.outputs[0].finish_reason == "length"
+        assert total.outputs[0].token_ids == expected
     assert engine.is_alive
