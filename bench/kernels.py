@@ -24,7 +24,7 @@ import torch
 
 from servelm import kernels
 from servelm.engine.malloc import keep_freed_memory
-from servelm.models.attention import AttentionMetadata, paged_attention
+from servelm.layers.attention import AttentionMetadata, paged_attention
 
 PYTORCH_PATH = mock.patch.object(kernels, "cpu_kernels", lambda: None)
 

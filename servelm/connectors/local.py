@@ -22,6 +22,7 @@ from servelm.engine.config import EngineConfig
 from servelm.engine.off_loop import run_sized, text_size
 from servelm.engine.outputs import EmbeddingOutput, EngineStats, RequestOutput
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
+from servelm.engine.vocabulary import vocabulary_error
 
 logger = logging.getLogger(__name__)
 
@@ -254,10 +255,9 @@ class LocalConnector:
         tokenizer = self._tokenizer_for(model)
 
         def decode() -> str:
-            vocab = tokenizer.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ConnectorError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+            outside = vocabulary_error(token_ids, tokenizer.vocab_size)
+            if outside is not None:
+                raise ConnectorError(outside, param="tokens")
             return tokenizer.decode(token_ids, skip_special_tokens=False)
 
         return await run_sized(len(token_ids), decode)

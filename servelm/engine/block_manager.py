@@ -78,6 +78,11 @@ class BlockManager:
         """Fraction of blocks held by some sequence (free cached blocks are not used)."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens the whole cache holds: one sequence longer than this can never run."""
+        return self.num_blocks * self.block_size
+
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)

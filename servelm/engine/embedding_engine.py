@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from servelm.engine.device import resolve_device, resolve_dtype
 from servelm.engine.outputs import EmbeddingOutput
+from servelm.engine.vocabulary import vocabulary_error
 from servelm.models.bert import BertModel
 from servelm.models.registry import resolve_model_path
 
@@ -136,10 +137,9 @@ class EmbeddingEngine:
                 f"input {index} has {len(ids)} tokens, more than this model's maximum of "
                 f"{self.max_model_len} tokens"
             )
-        vocab_size = self.model.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"input {index} has token id {bad}, outside the vocabulary [0, {vocab_size})")
+        outside = vocabulary_error(ids, self.model.config.vocab_size)
+        if outside is not None:
+            raise ValueError(f"input {index}: {outside}")
 
     @torch.inference_mode()
     def _embed_batch(self, batch: list[list[int]]) -> list[list[float]]:

@@ -21,6 +21,7 @@ from servelm.engine.sampler import SamplingState, make_generator
 from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import Sequence
+from servelm.engine.vocabulary import vocabulary_error
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +109,9 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             token_ids = list(prompt)
-            vocab = self.runner.model_config.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidPromptError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            outside = vocabulary_error(token_ids, self.runner.model_config.vocab_size)
+            if outside is not None:
+                raise InvalidPromptError(f"prompt {outside}")
         if not token_ids:
             raise InvalidPromptError("the prompt is empty")
         n = len(token_ids)
@@ -120,10 +120,9 @@ class LLMEngine:
             raise PromptTooLongError(too_long)
         max_tokens = self._max_tokens(n, params)
         if max_tokens < 1 or not self.scheduler.can_ever_fit(n + max_tokens):
-            capacity = self.block_manager.num_blocks * self.config.block_size
             raise InvalidPromptError(
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) can never fit in the KV cache "
-                f"({capacity} tokens); lower max_tokens or give the server more kv_cache_memory"
+                f"({self.block_manager.capacity_tokens} tokens); lower max_tokens or give the server more kv_cache_memory"
             )
         return token_ids
 
@@ -135,8 +134,7 @@ class LLMEngine:
         """
         if params.max_tokens is not None:
             return min(params.max_tokens, self.max_model_len - prompt_len)
-        capacity = self.block_manager.num_blocks * self.config.block_size
-        return min(self.max_model_len, capacity) - prompt_len
+        return min(self.max_model_len, self.block_manager.capacity_tokens) - prompt_len
 
     def add_request(
         self,
@@ -260,7 +258,7 @@ class LLMEngine:
             req = self.requests[s.seq.request_id]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        sampling = {s.seq.seq_id: self._seqs[s.seq.seq_id].sampling for s in scheduled if s.samples}
+        sampling = {s.seq.seq_id: self._seqs[s.seq.seq_id].sampling for s in scheduled if s.is_sampling}
         want_prompt_logprobs = {}
         for s in out.prefills:
             req = self.requests[s.seq.request_id]
@@ -275,10 +273,10 @@ class LLMEngine:
         self.scheduler.postprocess(out)
         # Sequences whose own sampling failed (the runner isolates them): only their requests fail.
         failed = list(dict.fromkeys(self._seqs[seq_id].seq.request_id for seq_id in result.failed))
-        touched = self._apply(result, scheduled)
+        progressed = self._apply(result, scheduled)
         outputs = self.fail_requests(failed)
-        touched = [rid for rid in touched if rid in self.requests]
-        for rid in touched:
+        progressed = [rid for rid in progressed if rid in self.requests]
+        for rid in progressed:
             req = self.requests[rid]
             if req.finished or req.streams:
                 outputs.append(self._make_output(req))
@@ -289,21 +287,23 @@ class LLMEngine:
         return outputs
 
     def _apply(self, result: StepResult, scheduled) -> list[str]:
-        touched: dict[str, None] = {}
+        """Record the step's prompt logprobs and sampled tokens; returns the ids of requests that progressed."""
+        progressed: dict[str, None] = {}  # insertion-ordered set
         for seq_id, positions in result.prompt_logprobs.items():
             state = self._seqs[seq_id]
             req = self.requests[state.seq.request_id]
-            for pos, logprob, top in positions:
-                req.prompt_logprobs[pos] = self._position_logprobs(req.prompt_token_ids[pos], logprob, top)
+            for p in positions:
+                token_id = req.prompt_token_ids[p.position]
+                req.prompt_logprobs[p.position] = self._position_logprobs(token_id, p.logprob, p.top_logprobs)
         for s in scheduled:
-            if s.samples and s.seq.num_generated_tokens == 0:
+            if s.is_sampling and s.seq.num_generated_tokens == 0:
                 req = self.requests[s.seq.request_id]
                 req.num_cached_tokens = max(req.num_cached_tokens, s.seq.num_cached_tokens)
-        for seq_id, (token_id, logprob, top) in result.sampled.items():
+        for seq_id, sampled in result.sampled.items():
             state = self._seqs[seq_id]
-            self._append_token(state, token_id, logprob, top)
-            touched[state.seq.request_id] = None
-        return list(touched)
+            self._append_token(state, sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            progressed[state.seq.request_id] = None
+        return list(progressed)
 
     def _append_token(self, state: _SeqState, token_id: int, logprob: float, top) -> None:
         seq, out, params = state.seq, state.output, state.sampling.params

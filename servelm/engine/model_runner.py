@@ -9,50 +9,56 @@ whose chunk reached its end.
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from servelm.engine.config import EngineConfig
 from servelm.engine.device import resolve_device, resolve_dtype
-from servelm.engine.malloc import huge_page_copies, keep_freed_memory
+from servelm.engine.malloc import keep_freed_memory
 from servelm.engine.sample_isolation import sample_isolated
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.kernels import cpu_kernels
-from servelm.models.attention import AttentionMetadata
+from servelm.layers.attention import AttentionMetadata
 from servelm.models.loader import load_model
-from servelm.models.packed import PackedLinear, can_pack, pairs_beat_onednn, replace_linears
-from servelm.models.quantization import Int8Linear, quantize_int8
+from servelm.models.weight_layout import free_memory_bytes, lay_out_weights
 
 logger = logging.getLogger(__name__)
 
 
-def _free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+@dataclass
+class SampledToken:
+    """The token a sequence sampled this step, its logprob, and the top (id, logprob) pairs if asked for."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None
+
+
+@dataclass
+class PromptLogprob:
+    """The logprob of prompt token ``position`` given the tokens before it, and the top (id, logprob) pairs."""
+
+    position: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
 
 
 @dataclass
 class StepResult:
     """What the model produced in one step.
 
-    ``sampled`` maps seq_id to (token id, logprob, top logprobs or None) for
-    every sequence that sampled. ``prompt_logprobs`` maps seq_id to, for
-    each computed prompt position p of the chunk that has a next prompt
-    token, (p + 1, logprob of that token, top (id, logprob) list).
-    ``failed`` lists the sequences whose own sampling raised (logged by the
+    ``sampled``: seq_id -> its sampled token, for every sequence that sampled.
+    ``prompt_logprobs``: seq_id -> the prompt logprobs its prefill chunk
+    computed, one per position of the chunk whose next token is a prompt token.
+    ``failed``: the sequences whose own sampling raised (logged by the
     sampler's isolation); the others sampled normally.
     """
 
-    sampled: dict[int, tuple[int, float, list[tuple[int, float]] | None]]
-    prompt_logprobs: dict[int, list[tuple[int, float, list[tuple[int, float]]]]]
+    sampled: dict[int, SampledToken] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)
     failed: list[int] = field(default_factory=list)
 
 
@@ -67,12 +73,7 @@ class ModelRunner:
             keep_freed_memory()
             cpu_kernels()  # build them now (once per machine), not in the first step
         self.model, self.model_config, self.tokenizer = load_model(model, self.dtype, self.device)
-        if config.quantization == "int8":
-            self._quantize_int8()
-        elif can_pack(self.dtype, self.device):
-            self._pack_weights()
-        if self.device.type == "cpu":
-            self._stream_weights_from_huge_pages()
+        lay_out_weights(self.model, config.quantization)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
@@ -89,55 +90,6 @@ class ModelRunner:
             self.num_blocks * self.block_bytes / 2**20,
         )
 
-    def _quantize_int8(self) -> None:
-        if self.device.type != "cpu":
-            raise ValueError(f"quantization int8 runs on CPU only (its kernel is a CPU one); the device is {self.device}")
-        count = quantize_int8(self.model, self._tied_head())
-        logger.info("quantized %d linear layers to int8 (weight-only)", count)
-
-    def _pack_weights(self) -> None:
-        # Decoding reads a second copy of the weights faster than oneDNN's packed one (packed.py): in the
-        # small-GEMM kernel's pair layout where that beats oneDNN (with a tied head's too), else plain for batch 1
-        # (a tied head's plain weight is the embedding). It is kept only while it takes at most a quarter
-        # of the free memory.
-        plain_bytes = sum(m.weight.nbytes for m in self.model.modules() if isinstance(m, nn.Linear))
-        head = self._tied_head()
-        budget = _free_memory_bytes(self.device) // 4
-        keep_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget and pairs_beat_onednn()
-        keep_plain = plain_bytes <= budget
-        make = functools.partial(PackedLinear, keep_plain=keep_plain, keep_pairs=keep_pairs)
-        count = replace_linears(self.model, make, head)
-        packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
-        kept = [what for what, attr in (("the pair layout for decoding", "pair_weight"),
-                                        ("plain weights for batch 1", "plain_weight"))
-                if any(getattr(m, attr) is not None for m in packed)]  # fmt: skip
-        logger.info("prepacked %d linear layers for oneDNN%s", count, f" (kept: {', '.join(kept)})" if kept else "")
-
-    def _stream_weights_from_huge_pages(self) -> None:
-        # Decoding streams the pair-layout, plain or int8 weights of every layer once per step. On
-        # transparent huge pages it takes a TLB miss every 2 MiB instead of every 4 KiB (malloc.py).
-        owners = [
-            (m, attr)
-            for m in self.model.modules()
-            for attr in ("plain_weight", "pair_weight")
-            if getattr(m, attr, None) is not None
-        ]
-        owners += [(m, "qweight") for m in self.model.modules() if isinstance(m, Int8Linear)]
-        nbytes = sum(getattr(m, a).nbytes for m, a in owners)
-        if not owners or nbytes > _free_memory_bytes(self.device) // 2:  # the old copies go only once all are made
-            return
-        for (module, attr), copy in zip(owners, huge_page_copies([getattr(m, a) for m, a in owners])):
-            setattr(module, attr, copy)
-        head = self.model.lm_head
-        if self.model.config.tie_word_embeddings and getattr(head, "plain_weight", None) is not None:
-            # The head's plain weight was the embedding itself: keep it so, with no second copy.
-            self.model.model.embed_tokens.weight = nn.Parameter(head.plain_weight, requires_grad=False)
-
-    def _tied_head(self) -> torch.Tensor | None:
-        """The embedding's weight when the LM head is tied to it (no head module of its own), else None."""
-        model = self.model
-        return model.model.embed_tokens.weight if model.lm_head is None else None
-
     @property
     def block_bytes(self) -> int:
         mc = self.model_config
@@ -147,7 +99,7 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory
         if isinstance(budget, float):
-            budget = int(_free_memory_bytes(self.device) * budget)
+            budget = int(free_memory_bytes(self.device) * budget)
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -193,7 +145,7 @@ class ModelRunner:
             query_lens.append(end - start)
             context_lens.append(end)
             tables.append(table)
-            if sch.samples:
+            if sch.is_sampling:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq.seq_id)
                 sample_requests.append(seq.request_id)
@@ -221,7 +173,7 @@ class ModelRunner:
             meta,
         )
 
-        result = StepResult(sampled={}, prompt_logprobs={})
+        result = StepResult()
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
             states = [sampling[s] for s in sample_seqs]
@@ -230,7 +182,7 @@ class ModelRunner:
                 if row is None:
                     result.failed.append(seq_id)
                 else:
-                    result.sampled[seq_id] = row
+                    result.sampled[seq_id] = SampledToken(*row)
         for sch in out.prefills:
             seq = sch.seq
             if seq.seq_id in prompt_rows:
@@ -240,7 +192,7 @@ class ModelRunner:
                 )
         return result
 
-    def _prompt_logprobs(self, hidden, row0, start, num_new, seq, k):
+    def _prompt_logprobs(self, hidden, row0, start, num_new, seq, k) -> list[PromptLogprob]:
         # Row r predicts token r + 1; only positions whose next token is a
         # prompt token count (the last prompt position predicts the first
         # generated token, which the sampler reports).
@@ -255,4 +207,4 @@ class ModelRunner:
             tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())]
         else:
             tops = [[] for _ in range(n)]
-        return [(start + 1 + j, chosen[j], tops[j]) for j in range(n)]
+        return [PromptLogprob(start + 1 + j, chosen[j], tops[j]) for j in range(n)]

@@ -18,7 +18,7 @@ from servelm.engine.sampler import Sampler, SamplingState
 
 logger = logging.getLogger(__name__)
 
-# (token id, logprob, top logprobs or None): one row's result, as StepResult stores it.
+# (token id, logprob, top logprobs or None): one row's result (the runner makes it a SampledToken).
 SampledRow = tuple[int, float, list[tuple[int, float]] | None]
 
 

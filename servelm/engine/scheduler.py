@@ -30,7 +30,7 @@ from servelm.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     """One sequence's work in a step: ``num_new_tokens`` tokens from ``start``.
 
-    ``start`` and ``samples`` are snapshots taken when the step is scheduled,
+    ``start`` and ``is_sampling`` are snapshots taken when the step is scheduled,
     so they stay right after :meth:`Scheduler.postprocess` advances the
     sequence and the engine appends the sampled token.
     """
@@ -38,11 +38,12 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     start: int = field(init=False)  # seq.num_computed_tokens when scheduled
-    samples: bool = field(init=False)  # True when the chunk reaches the end of seq.token_ids
+    # True when the chunk reaches the end of seq.token_ids, so the step samples the sequence's next token:
+    is_sampling: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens >= self.seq.num_tokens
+        self.is_sampling = self.start + self.num_new_tokens >= self.seq.num_tokens
 
 
 @dataclass
@@ -201,7 +202,7 @@ class Scheduler:
         """After the model step: advance each scheduled sequence and register its full blocks.
 
         The engine then appends sampled tokens to the sequences whose chunk
-        ``samples``, checks stop conditions and calls :meth:`finish`.
+        ``is_sampling``, checks stop conditions and calls :meth:`finish`.
         """
         for sched in out.scheduled:
             seq = sched.seq

@@ -3,129 +3,30 @@
 One forward call takes one flattened batch of tokens from many sequences (no
 padding) and reads/writes the paged KV cache through ``AttentionMetadata``.
 Q/K/V and gate/up projections are fused into one matmul each; ``load_weights``
-fuses the HF checkpoint's separate tensors as it copies them in. On CPU, the
-elementwise chains (residual add + RMSNorm, RoPE, SiLU * up) run as one native
-call each where servelm's kernels are built (``servelm.kernels``); the PyTorch
-code beside each is the reference they match and the path everywhere else. A
+fuses the HF checkpoint's separate tensors as it copies them in. This file is
+the architecture only: each op (norm, RoPE, activation, attention) picks
+servelm's native CPU kernel or PyTorch in its module of ``servelm.layers``. A
 step that decodes a single sequence runs all the layers' native calls in one
-(``_one_token_decoder``), bit-identical to calling them layer by layer.
+(``servelm.models.one_token_decoder``), bit-identical to calling them layer by
+layer.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from servelm import kernels
-from servelm.models.attention import AttentionMetadata, paged_attention
+from servelm.layers.activation import silu_and_mul
+from servelm.layers.attention import AttentionMetadata, paged_attention
+from servelm.layers.linear import FusedLinear
+from servelm.layers.norm import RMSNorm
+from servelm.layers.rotary import Rope, RotaryEmbedding, split_and_rotate_qkv
 from servelm.models.config import ModelConfig
-
-
-def _native(*tensors: torch.Tensor) -> kernels.CpuKernels | None:
-    """servelm's CPU kernels if these tensors are contiguous and the kernels take them, else None (PyTorch path)."""
-    return kernels.for_tensors(*tensors) if all(t.is_contiguous() for t in tensors) else None
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 like HF's LlamaRMSNorm.
-
-    Called with a ``residual`` it first adds ``x`` to it and normalises the sum,
-    returning ``(normed, new residual)``; the native kernel updates the residual
-    in place.
-    """
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            native = _native(x, self.weight)
-            return native.rms_norm(x, self.weight, self.eps) if native else self._norm(x)
-        native = _native(x, residual, self.weight)
-        if native:
-            return native.rms_norm(x, self.weight, self.eps, residual), residual
-        residual = residual + x
-        return self._norm(residual), residual
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` of RoPE, with the config's scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class Rope(NamedTuple):
-    cos: torch.Tensor  # [T, 1, head_dim // 2] float32, for the tokens' positions
-    sin: torch.Tensor
-    table: torch.Tensor  # [max_positions, head_dim] float32: cos then sin (the native kernel reads it)
-    positions: torch.Tensor  # [T] int64
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE from a float32 cos/sin table over every position."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
-        self.init_cache()
-
-    def init_cache(self, freq_factors: torch.Tensor | None = None) -> None:
-        """(Re)build the table where it lives; ``freq_factors`` divide the frequencies (GGUF ``rope_freqs``).
-
-        Built on the CPU whatever the default device, so that a model made on the
-        meta device and then ``to_empty``'d can fill it in afterwards.
-        """
-        with torch.device("cpu"):
-            inv_freq = rope_inv_freq(self.config)
-            if freq_factors is not None:
-                inv_freq = inv_freq / freq_factors.float().cpu()
-            positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
-            freqs = torch.outer(positions, inv_freq)
-            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-        device = self.cos_sin.device
-        self.cos_sin = table if device.type == "meta" else table.to(device)
-
-    def forward(self, positions: torch.Tensor) -> Rope:
-        """The tokens' rotation, shared by every layer."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return Rope(cos, sin, self.cos_sin, positions)
-
-
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate ``[T, heads, head_dim]`` by (cos, sin), in float32 for accuracy at low precision."""
-    cos, sin = rope.cos, rope.sin
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+from servelm.models.one_token_decoder import build_one_token_decoder
 
 
 class Attention(nn.Module):
@@ -139,29 +40,20 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
+        self.qkv_proj = FusedLinear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.attention_bias, dtype=dtype
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        native = _native(qkv) if self.q_norm is None else None
-        if native:  # rotate q and k where they lie, side by side at the start of each row
-            native.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.table, rope.positions)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if not native:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        qk_norm = None if self.q_norm is None else (self.q_norm, self.k_norm)
+        q, k, v = split_and_rotate_qkv(
+            self.qkv_proj(x), rope, self.num_heads, self.num_kv_heads, self.head_dim, qk_norm
+        )
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -169,16 +61,11 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.gate_up_proj = FusedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        native = _native(gate_up)
-        if native:
-            return self.down_proj(native.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -232,7 +119,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
         self.model = nn.Module()
         # _weight skips the random init: on the meta device normal_() costs a second of imports.
         embedding = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
@@ -265,34 +154,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def _one_token_decoder(self, kv_caches: list[torch.Tensor]) -> kernels.OneTokenDecoder | None:
-        """servelm's one-call decoding step over these caches (built once), or None where it does not apply.
-
-        It applies on the CPU in bfloat16 when every linear layer keeps weights
-        that one row reads natively (``one_row_weights``: the plain weights of
-        packed.py, the int8 ones of quantization.py) and there is no q/k norm.
-        """
+        """servelm's one-call decoding step over these caches (built once), or None where it does not apply."""
         if self._decoder is None or self._decoder[0] is not kv_caches:
-            self._decoder = (kv_caches, self._build_one_token_decoder(kv_caches))
+            self._decoder = (kv_caches, build_one_token_decoder(self, kv_caches))
         return self._decoder[1]
-
-    def _build_one_token_decoder(self, kv_caches: list[torch.Tensor]) -> kernels.OneTokenDecoder | None:
-        native = kernels.for_tensors(kv_caches[0], self.model.norm.weight)
-        if native is None or kv_caches[0].dtype != torch.bfloat16 or self.config.qk_norm:
-            return None
-        layers = []
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            linears = [getattr(m, "one_row_weights", lambda: None)() for m in modules]
-            if any(w is None for w in linears):
-                return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            layers.append(kernels.DecoderLayerWeights(*norms, *linears, cache))
-        attn = self.model.layers[0].self_attn
-        norm = self.model.norm
-        return native.one_token_decoder(
-            layers, norm.weight, self.rotary.cos_sin, heads=attn.num_heads, eps=norm.eps, scale=attn.scale
-        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` of the given hidden states (usually each sequence's last)."""
@@ -320,7 +185,10 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
-            dest = param.data if shard is None else self._shard(param.data, target, shard)
+            if shard is None:
+                dest = param.data
+            else:  # the rows of the fused layer that this HF tensor fills
+                dest = self.get_submodule(target.rpartition(".")[0]).shard(param.data, shard)
             if dest.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
@@ -332,23 +200,13 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
-    def _shard(self, data: torch.Tensor, name: str, shard: int) -> torch.Tensor:
-        """The rows of a fused parameter that one HF tensor fills."""
-        if "qkv_proj" in name:
-            attn = self.model.layers[0].self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.config.intermediate_size] * 2
-        return data.split(sizes, dim=0)[shard]
-
-    @staticmethod
-    def _expected_names(params: dict[str, nn.Parameter]) -> set[str]:
+    def _expected_names(self, params: dict[str, nn.Parameter]) -> set[str]:
+        """Every parameter's name, a fused one's once per shard (``name#i``)."""
         names = set()
         for name in params:
-            if "qkv_proj" in name:
-                names.update(f"{name}#{i}" for i in range(3))
-            elif "gate_up_proj" in name:
-                names.update(f"{name}#{i}" for i in range(2))
+            module = self.get_submodule(name.rpartition(".")[0])
+            if isinstance(module, FusedLinear):
+                names.update(f"{name}#{i}" for i in range(len(module.shard_sizes)))
             else:
                 names.add(name)
         return names

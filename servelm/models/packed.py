@@ -12,11 +12,11 @@ One row (batch-1 decoding) is the exception: oneDNN's packed GEMV reads the
 weights at 15-20 GB/s there, servelm's own matrix-vector kernel
 (``servelm.kernels``) at about 35 GB/s (``bench/gemm.py``). It needs the plain weight, so a layer
 can keep that too (``keep_plain``), at the cost of a second copy of the
-weights; the model runner asks for it when the copy fits in memory. On
+weights; ``weight_layout.py`` asks for it when the copy fits in memory. On
 AVX512-BF16 CPUs the copy is instead in the layout of servelm's small-GEMM
 kernel (``keep_pairs``), which serves one row as fast as the matrix-vector
 kernel and 2 to ``PAIR_MAX_ROWS`` rows (decoding a few dozen sequences)
-1.3-1.4x faster than oneDNN (``bench/gemm.py``); the runner asks for it where
+1.3-1.4x faster than oneDNN (``bench/gemm.py``); ``weight_layout.py`` asks for it where
 a timing at start-up says so (``pairs_beat_onednn``).
 """
 

@@ -330,3 +330,11 @@ def test_check_invariants_catches_corruption():
     stale.block_table = [0]  # a table that was already freed
     with pytest.raises(RuntimeError):
         bm.free(stale)
+
+
+def test_capacity_is_every_slot_of_every_block_and_bounds_what_can_ever_fit():
+    bm = BlockManager(num_blocks=5, block_size=BS)
+    assert bm.capacity_tokens == 20
+    seq = make_seq(list(range(bm.capacity_tokens)))
+    assert bm.num_blocks_for(seq.num_tokens) == bm.num_blocks  # the longest sequence takes the whole cache
+    assert bm.num_blocks_for(bm.capacity_tokens + 1) > bm.num_blocks

@@ -181,7 +181,7 @@ def test_abort_frees_all_blocks(llm):
 
 def test_default_max_tokens_fits_a_cache_smaller_than_the_context():
     small = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=2 << 20)
-    capacity = small.engine.block_manager.num_blocks * small.engine.config.block_size
+    capacity = small.engine.block_manager.capacity_tokens
     assert capacity < small.engine.max_model_len
     # No max_tokens: the request is admitted and stops at EOS or at what the cache can hold.
     out = small.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=None, stop=["."]))[0]
@@ -190,3 +190,12 @@ def test_default_max_tokens_fits_a_cache_smaller_than_the_context():
 
     with pytest.raises(InvalidPromptError, match="can never fit in the KV cache"):
         small.generate(["Hi"], SamplingParams(max_tokens=capacity + 10))
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_refused(llm):
+    from servelm.engine.llm_engine import InvalidPromptError
+
+    vocab = llm.engine.runner.model_config.vocab_size
+    assert llm.engine.prepare_prompt([1, vocab - 1], SamplingParams(max_tokens=4)) == [1, vocab - 1]
+    with pytest.raises(InvalidPromptError, match=rf"^prompt token id {vocab} is outside the vocabulary \[0, {vocab}\)$"):
+        llm.engine.prepare_prompt([1, vocab], SamplingParams(max_tokens=4))

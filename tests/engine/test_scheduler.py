@@ -81,7 +81,7 @@ class FakeEngine:
         self.sched.postprocess(out)
         for sch in scheduled:
             seq = sch.seq
-            if sch.samples:
+            if sch.is_sampling:
                 seq.append_token(next_token(seq.token_ids))
                 if seq.num_generated_tokens == seq.max_tokens:
                     self.sched.finish(seq)
@@ -133,10 +133,10 @@ def test_scheduled_seq_snapshots_survive_postprocess():
     seq = eng.add([1, 2, 3, 4, 5], max_tokens=3)
     out = eng.sched.schedule()
     (sch,) = out.prefills
-    assert (sch.start, sch.num_new_tokens, sch.samples) == (0, 5, True)
+    assert (sch.start, sch.num_new_tokens, sch.is_sampling) == (0, 5, True)
     eng.sched.postprocess(out)
     seq.append_token(7)
-    assert (sch.start, sch.samples) == (0, True)
+    assert (sch.start, sch.is_sampling) == (0, True)
 
 
 # ---- policy -------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_chunked_prefill_shares_steps_with_decodes_within_budget():
     eng = FakeEngine(num_blocks=32, block_size=4, max_num_batched_tokens=8)
     a = eng.add([1, 2, 3], max_tokens=10)
     out = eng.step()
-    assert [(s.seq, s.num_new_tokens, s.samples) for s in out.prefills] == [(a, 3, True)]
+    assert [(s.seq, s.num_new_tokens, s.is_sampling) for s in out.prefills] == [(a, 3, True)]
     b = eng.add(list(range(20)), max_tokens=2)
     chunks = []
     for _ in range(3):
@@ -154,7 +154,7 @@ def test_chunked_prefill_shares_steps_with_decodes_within_budget():
         assert [d.seq for d in out.decodes] == [a]  # the stream never stalls
         (p,) = out.prefills
         assert p.seq is b
-        chunks.append((p.num_new_tokens, p.samples))
+        chunks.append((p.num_new_tokens, p.is_sampling))
         assert out.num_batched_tokens <= 8
     assert chunks == [(7, False), (7, False), (6, True)]
     assert b.num_generated_tokens == 1

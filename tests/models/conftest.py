@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from servelm import kernels
-from servelm.models.attention import AttentionMetadata
+from servelm.layers.attention import AttentionMetadata
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from servelm import kernels
-from servelm.models.attention import AttentionMetadata, paged_attention
+from servelm.layers.attention import AttentionMetadata, paged_attention
 
 # Every test runs with the native CPU decode kernel and with the PyTorch (gather + SDPA) path.
 pytestmark = pytest.mark.usefixtures("cpu_ops")

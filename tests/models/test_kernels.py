@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from servelm import kernels
-from servelm.models.llama import RMSNorm, Rope, apply_rope
+from servelm.layers.norm import RMSNorm
+from servelm.layers.rotary import Rope, apply_rope
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
 

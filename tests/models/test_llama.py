@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from servelm.models.config import ModelConfig
-from servelm.models.llama import build_empty_model, rope_inv_freq
+from servelm.layers.rotary import rope_inv_freq
+from servelm.models.llama import build_empty_model
 
 PROMPTS = [
     "The capital of France is",
@@ -155,7 +156,7 @@ def test_tied_model_has_no_head_and_uses_the_embedding():
 
 
 def test_llama3_rope_scaling_changes_only_low_frequencies():
-    plain = rope_inv_freq(tiny_config(head_dim=32))
+    plain = rope_inv_freq(32, tiny_config().rope_theta)
     scaling = {
         "rope_type": "llama3",
         "factor": 8.0,
@@ -163,7 +164,7 @@ def test_llama3_rope_scaling_changes_only_low_frequencies():
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32,
     }
-    scaled = rope_inv_freq(tiny_config(head_dim=32, rope_scaling=scaling))
+    scaled = rope_inv_freq(32, tiny_config().rope_theta, scaling)
     wavelen = 2 * torch.pi / plain
     torch.testing.assert_close(scaled[wavelen < 8], plain[wavelen < 8])
     torch.testing.assert_close(scaled[wavelen > 32], plain[wavelen > 32] / 8)

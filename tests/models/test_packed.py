@@ -70,9 +70,9 @@ def test_without_the_kernels_the_small_gemm_is_not_chosen(monkeypatch):
 @pytest.mark.model
 def test_plain_weights_stay_where_the_small_gemm_loses(monkeypatch):
     from servelm import LLM
-    from servelm.engine import model_runner
+    from servelm.models import weight_layout
 
-    monkeypatch.setattr(model_runner, "pairs_beat_onednn", lambda: False)
+    monkeypatch.setattr(weight_layout, "pairs_beat_onednn", lambda: False)
     model = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20).engine.runner.model
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert all(m.pair_weight is None and m.plain_weight is not None for m in packed)
@@ -87,9 +87,9 @@ def test_extra_weight_copies_are_dropped_where_they_do_not_fit(monkeypatch, free
     if pairs and not pairs_beat_onednn():
         pytest.skip("the pair layout is kept only where the small GEMM beats oneDNN (not on this CPU)")
     from servelm import LLM
-    from servelm.engine import model_runner
+    from servelm.models import weight_layout
 
-    monkeypatch.setattr(model_runner, "_free_memory_bytes", lambda device: free_mib << 20)
+    monkeypatch.setattr(weight_layout, "free_memory_bytes", lambda device: free_mib << 20)
     model = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20).engine.runner.model
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 30 * 4 + 1

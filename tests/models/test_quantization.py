@@ -89,12 +89,12 @@ def test_engine_runs_int8_close_to_float32(llm):
 @pytest.mark.parametrize("free_mib", [256, 4096])
 def test_int8_weights_move_to_huge_pages_only_where_the_copy_fits(monkeypatch, free_mib):
     from servelm import LLM
-    from servelm.engine import model_runner
+    from servelm.models import weight_layout
 
     moved = []
-    real_copies = model_runner.huge_page_copies
-    monkeypatch.setattr(model_runner, "_free_memory_bytes", lambda device: free_mib << 20)
-    monkeypatch.setattr(model_runner, "huge_page_copies", lambda ts: moved.extend(ts) or real_copies(ts))
+    real_copies = weight_layout.huge_page_copies
+    monkeypatch.setattr(weight_layout, "free_memory_bytes", lambda device: free_mib << 20)
+    monkeypatch.setattr(weight_layout, "huge_page_copies", lambda ts: moved.extend(ts) or real_copies(ts))
     runner = LLM("smollm2-135m-instruct", kv_cache_memory=64 << 20, quantization="int8").engine.runner
     qweights = [m.qweight for m in runner.model.modules() if isinstance(m, Int8Linear)]
     # ~135 MB of int8 weights: their second copy does not fit in half of 256 MiB, and does in 4 GiB.

@@ -1,0 +1,103 @@
+"""How a loaded model's linear weights are laid out in memory for the device: one entry point,
+``lay_out_weights``, which the model runner calls once after loading.
+
+On the CPU, in order:
+
+- ``quantization="int8"``: every linear layer becomes an :class:`Int8Linear`
+  (quantization.py);
+- else, where this torch build packs bfloat16 weights for oneDNN, every linear
+  layer becomes a :class:`PackedLinear` (packed.py), keeping a second copy of
+  its weight for decoding where it fits in memory: in the small-GEMM kernel's
+  pair layout where that beats oneDNN, else plain for batch 1;
+- then the weights decoding streams every step (pair layout, plain, int8) move
+  onto transparent huge pages (``servelm.engine.malloc``).
+
+Elsewhere (CUDA, float32 without packing) the model keeps its ``nn.Linear``
+layers as loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+from torch import nn
+
+from servelm.engine.malloc import huge_page_copies
+from servelm.models.packed import PackedLinear, can_pack, pairs_beat_onednn, replace_linears
+from servelm.models.quantization import Int8Linear, quantize_int8
+
+logger = logging.getLogger(__name__)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """The memory free on ``device`` now: the GPU's, or the machine's available RAM."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def lay_out_weights(model: nn.Module, quantization: str) -> None:
+    """Replace ``model``'s linear layers by the layout that runs fastest where it lives, in place.
+
+    ``quantization`` is ``none`` or ``int8`` (CPU only: ValueError elsewhere).
+    """
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    if quantization == "int8":
+        if device.type != "cpu":
+            raise ValueError(f"quantization int8 runs on CPU only (its kernel is a CPU one); the device is {device}")
+        count = quantize_int8(model, _tied_head(model))
+        logger.info("quantized %d linear layers to int8 (weight-only)", count)
+    elif can_pack(dtype, device):
+        _pack(model, device)
+    if device.type == "cpu":
+        _stream_from_huge_pages(model, device)
+
+
+def _pack(model: nn.Module, device: torch.device) -> None:
+    # Decoding reads a second copy of the weights faster than oneDNN's packed one (packed.py): in the
+    # small-GEMM kernel's pair layout where that beats oneDNN (with a tied head's too), else plain for batch 1
+    # (a tied head's plain weight is the embedding). It is kept only while it takes at most a quarter
+    # of the free memory.
+    plain_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, nn.Linear))
+    head = _tied_head(model)
+    budget = free_memory_bytes(device) // 4
+    keep_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget and pairs_beat_onednn()
+    keep_plain = plain_bytes <= budget
+    make = functools.partial(PackedLinear, keep_plain=keep_plain, keep_pairs=keep_pairs)
+    count = replace_linears(model, make, head)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    kept = [what for what, attr in (("the pair layout for decoding", "pair_weight"),
+                                    ("plain weights for batch 1", "plain_weight"))
+            if any(getattr(m, attr) is not None for m in packed)]  # fmt: skip
+    logger.info("prepacked %d linear layers for oneDNN%s", count, f" (kept: {', '.join(kept)})" if kept else "")
+
+
+def _stream_from_huge_pages(model: nn.Module, device: torch.device) -> None:
+    # Decoding streams the pair-layout, plain or int8 weights of every layer once per step. On
+    # transparent huge pages it takes a TLB miss every 2 MiB instead of every 4 KiB (malloc.py).
+    owners = [
+        (m, attr)
+        for m in model.modules()
+        for attr in ("plain_weight", "pair_weight")
+        if getattr(m, attr, None) is not None
+    ]
+    owners += [(m, "qweight") for m in model.modules() if isinstance(m, Int8Linear)]
+    nbytes = sum(getattr(m, a).nbytes for m, a in owners)
+    if not owners or nbytes > free_memory_bytes(device) // 2:  # the old copies go only once all are made
+        return
+    for (module, attr), copy in zip(owners, huge_page_copies([getattr(m, a) for m, a in owners])):
+        setattr(module, attr, copy)
+    head = model.lm_head
+    if model.config.tie_word_embeddings and getattr(head, "plain_weight", None) is not None:
+        # The head's plain weight was the embedding itself: keep it so, with no second copy.
+        model.model.embed_tokens.weight = nn.Parameter(head.plain_weight, requires_grad=False)
+
+
+def _tied_head(model: nn.Module) -> torch.Tensor | None:
+    """The embedding's weight when the LM head is tied to it (no head module of its own), else None."""
+    return model.model.embed_tokens.weight if model.lm_head is None else None
