@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,8 +70,12 @@ def request_body(endpoint: str, model: str, req: BenchRequest, options: Sampling
     return body
 
 
+# The server names each failed request's id in its message; a report groups the same error once.
+_REQUEST_ID = re.compile(r" \(request id [^)]*\)")
+
+
 def _short(message: str) -> str:
-    message = " ".join(str(message).split())
+    message = _REQUEST_ID.sub("", " ".join(str(message).split()))
     return message if len(message) <= _MAX_MESSAGE else message[: _MAX_MESSAGE - 3] + "..."
 
 
