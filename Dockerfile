@@ -24,10 +24,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     INSTALL_BROWSER=0
 
-# gcc builds servelm's CPU kernels on first start, for the host's CPU
-# (servelm/kernels); without it the server runs, with slower CPU decoding.
+# gcc and g++ build servelm's CPU kernels and their PyTorch ops on first start,
+# for the host's CPU (servelm/kernels); without them the server runs, with
+# slower CPU decoding.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make gcc libc6-dev \
+    && apt-get install -y --no-install-recommends make gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app

@@ -1,7 +1,7 @@
 /* One decoding step of a Llama-family decoder for a single sequence, for CPUs.
  *
  * With one token in flight each op of a layer is a few microseconds of work,
- * and the Python around the ops (module calls, argument checks, ctypes) cost
+ * and the Python around the ops (module calls, argument checks, dispatch) cost
  * as much as the ops themselves: about 400 calls a step. This walks every
  * layer in one call, running the same kernels in the same order as
  * servelm/models/llama.py's DecoderLayer does on its native path (norm, QKV,
@@ -13,48 +13,7 @@
 #include <string.h>
 
 #include "bf16.h"
-
-/* The kernels of the other files. */
-void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t rows,
-                       int64_t hidden, float eps, int nthreads);
-void rope_bf16(uint16_t *x, int64_t rows, int64_t stride, int64_t heads, int64_t D, const float *cos_sin,
-               const int64_t *positions, int nthreads);
-void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inner, int nthreads);
-void bf16_gemv(const uint16_t *x, int64_t K, const uint16_t *w, const uint16_t *bias, int64_t N, uint16_t *out,
-               int nthreads);
-void bf16_gemm_pairs(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pairs, const uint16_t *bias,
-                     int64_t N, uint16_t *out, int nthreads);
-void int8_linear_bf16(const uint16_t *x, int64_t K, const int8_t *w, const uint16_t *scales, int64_t N,
-                      uint16_t *out, int nthreads);
-void write_kv(char *k_cache, char *v_cache, const char *key, const char *value, int64_t stride, const int64_t *slots,
-              int64_t rows, int64_t row_bytes);
-void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-                       const int64_t *tables, int64_t max_blocks, const int64_t *lens, uint16_t *out, int64_t B,
-                       int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int nthreads);
-
-/* A linear layer [out_features, in_features]: bfloat16 weight, plain or in
- * gemv.c's pair layout, or int8 weight with bfloat16 scales per row
- * (quantization.py); bias NULL or [out_features]. */
-struct linear {
-    const void *weight;
-    const uint16_t *scales; /* NULL: the weight is bfloat16 */
-    const uint16_t *bias;
-    int64_t pairs; /* nonzero: the bfloat16 weight is in the pair layout */
-};
-
-struct decoder_layer {
-    const uint16_t *input_norm, *post_norm;
-    struct linear qkv, o, gate_up, down;
-    uint16_t *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
-};
-
-struct decoder {
-    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
-    float eps, scale;
-    const float *cos_sin; /* [positions, head_dim]: cos then sin */
-    const uint16_t *final_norm;
-    const struct decoder_layer *layers;
-};
+#include "kernels.h"
 
 /* As models.packed.PackedLinear and models.quantization.Int8Linear compute it
  * (the int8 layer adds its bias in bfloat16 after rounding, as PyTorch does). */

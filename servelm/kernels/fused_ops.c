@@ -10,6 +10,7 @@
 #include <math.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
@@ -114,10 +115,10 @@ static inline __m512 exp16(__m512 x) {
 }
 
 /* The bfloat16 SiLU * up on AVX512-BF16: libmvec's expf and a divide made it
- * compute-bound (1.5 ms for 2048 x 1536, five times a copy of the same
- * bytes); this exp and a refined reciprocal take it about 2x faster. Its
- * results differ from the portable loop's in a handful of elements per
- * million, by one bfloat16 step. */
+ * compute-bound, several times slower than a copy of the same bytes; this exp
+ * and a refined reciprocal are faster (docs/BENCHMARKS.md). Its results
+ * differ from the portable loop's in a handful of elements per million, by
+ * one bfloat16 step. */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inner, int nthreads) {
     const int64_t width = inner;
     PARALLEL
@@ -145,8 +146,8 @@ DEFINE_SILU_MUL(bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16_round)
 
 /* This step's K and V rows into their cache slots: row t of key (value), at
  * key + t * stride bytes, row_bytes long, goes to slot slots[t] of k_cache
- * (v_cache). A copy per row; PyTorch's index_copy_ spends ~40x as long
- * setting up for rows this small. */
+ * (v_cache). A copy per row; PyTorch's index_copy_ spends far longer setting
+ * up than copying for rows this small. */
 void write_kv(char *k_cache, char *v_cache, const char *key, const char *value, int64_t stride, const int64_t *slots,
               int64_t rows, int64_t row_bytes) {
     for (int64_t t = 0; t < rows; t++) {

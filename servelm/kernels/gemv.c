@@ -2,8 +2,8 @@
  * row x, W either plain bfloat16 or int8 with one bfloat16 scale per output
  * row (servelm/models/quantization.py). Decoding one sequence is bound by
  * reading the weights; these loops stream each weight row once, at close to
- * memory speed: about twice what oneDNN's prepacked GEMV and PyTorch's int8
- * kernel reach for one row (bench/gemm.py, bench/quantized.py).
+ * memory speed, faster than oneDNN's prepacked GEMV and PyTorch's int8 kernel
+ * for one row (bench/gemm.py, bench/quantized.py).
  *
  * On AVX-512 CPUs each thread takes four rows at a time: four independent
  * chains of multiply-adds hide the instructions' latency (one chain per row
@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -152,7 +153,7 @@ void int8_linear_bf16(const uint16_t *x, int64_t K, const int8_t *w, const uint1
 
 /* Products of a few rows, for decoding steps of a handful to a few dozen
  * sequences: out = x W^T (+ bias) for x [M, K], with W in the pair layout
- * below. oneDNN's prepacked GEMM runs at about half its large-M rate here
+ * below. oneDNN's prepacked GEMM runs well below its large-M rate here
  * (bench/gemm.py); this kernel keeps a tile of up to PAIR_ROWS rows x 32
  * outputs in registers, multiplies each 64-byte vector of weights (16
  * outputs x one pair of K) by the tile's rows' pair of x broadcast

@@ -13,6 +13,7 @@
 #include <math.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define ATTENTION_AVX512BF16 1 /* bf16.h brings immintrin.h */
@@ -45,8 +46,8 @@ static inline void softmax_(float *s, int64_t len) {
  * horizontal sum per key and query head, on widening each K/V row once per
  * query head that reads it, and on loading and storing the float32
  * accumulators for every key; these do none of that, and ask for an item's
- * K rows (then each head's V rows) all at once before reading them: 1.7-1.9x
- * faster per layer (bench/kernels.py), 22 -> 14 ms of a 32-sequence step. */
+ * K rows (then each head's V rows) all at once before reading them
+ * (bench/kernels.py measures both). */
 #ifdef ATTENTION_AVX512BF16
 /* Lane j of the result: the sum of v[j]'s 16 lanes (a transposing add tree,
  * 15 adds instead of 16 separate horizontal sums). */

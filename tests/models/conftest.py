@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import shutil
 from pathlib import Path
@@ -14,16 +15,21 @@ import torch
 
 from servelm import kernels
 from servelm.layers.attention import AttentionMetadata
+from servelm.models.config import ModelConfig
+from servelm.models.llama import LlamaForCausalLM, build_empty_model
+from servelm.models.packed import PackedLinear, can_pack, replace_linears
+from servelm.models.quantization import quantize_int8
 
 
 @pytest.fixture(scope="session")
 def native_kernels():
-    """servelm's CPU kernels: a failure where a C compiler is but they did not build, a skip where none is."""
+    """servelm's CPU kernels: a failure where C and C++ compilers are but they did not build, a skip where
+    either is missing."""
     built = kernels.cpu_kernels()
     if built is None:
-        if shutil.which("cc") is not None:
-            pytest.fail("a C compiler is here but servelm's CPU kernels did not build (see the warning)")
-        pytest.skip("no C compiler: the native kernels cannot be built on this machine")
+        if shutil.which("cc") is not None and shutil.which("c++") is not None:
+            pytest.fail("C and C++ compilers are here but servelm's CPU kernels did not build (see the warning)")
+        pytest.skip("no C or C++ compiler: the native kernels cannot be built on this machine")
     return built
 
 
@@ -87,6 +93,35 @@ class PagedRunner:
             )
             logits = self.model.compute_logits(hidden)
         return list(logits.split(query_lens))
+
+
+def tiny_llama_model(weights: str, **overrides) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """A random bfloat16 Llama of 3 small layers whose linears are packed with plain weights kept ("bf16"),
+    with the small-GEMM pair layout where it runs ("pairs"), or int8 ("int8"); ``overrides`` set config fields."""
+    fields = dict(architecture="LlamaForCausalLM", vocab_size=120, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=128)  # fmt: skip
+    config = ModelConfig(**(fields | overrides))
+    model = build_empty_model(config, torch.bfloat16, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=gen)
+        param.copy_(1 + 0.1 * noise if "norm" in name else noise * param.shape[-1] ** -0.5)
+    head = model.model.embed_tokens.weight if model.lm_head is None else None
+    if weights == "int8":
+        quantize_int8(model, head)
+    else:
+        if not can_pack(torch.bfloat16, torch.device("cpu")):
+            pytest.skip("this torch build has no oneDNN bfloat16 packing")
+        # "pairs": the small-GEMM layout where it runs (not for the 120-row head, which stays plain)
+        replace_linears(model, functools.partial(PackedLinear, keep_plain=True, keep_pairs=weights == "pairs"), head)
+    return model, config
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """``tiny_llama_model``: a fresh random model per call."""
+    return tiny_llama_model
 
 
 @pytest.fixture(scope="session")

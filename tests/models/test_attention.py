@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from servelm import kernels
+from servelm.kernels import build
 from servelm.layers.attention import AttentionMetadata, paged_attention
 
 # Every test runs with the native CPU decode kernel and with the PyTorch (gather + SDPA) path.
@@ -196,7 +196,7 @@ def test_native_prefill_kernel_takes_bf16_where_the_cpu_has_avx512_bf16(cpu_ops,
     if cpu_ops == "torch":
         assert taken == []
         return
-    assert taken == ["avx512_bf16" in kernels._cpu_flags()]
+    assert taken == ["avx512_bf16" in build.cpu_flags()]
     case = make_case(*PREFILLS_AND_DECODES, 9, 3, head_dim=64, block_size=16, seed=11)
     case.run()  # float32: PyTorch's path
     assert taken[-1] is False

@@ -2,40 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from servelm import kernels
-from servelm.models.config import ModelConfig
-from servelm.models.llama import LlamaForCausalLM, build_empty_model
-from servelm.models.packed import PackedLinear, can_pack, replace_linears
-from servelm.models.quantization import quantize_int8
+from servelm.kernels import build
+from servelm.models.llama import build_empty_model
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
-
-
-def tiny_model(weights: str, **overrides) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """A random bfloat16 Llama whose linears are packed with plain weights kept, or int8."""
-    fields = dict(architecture="LlamaForCausalLM", vocab_size=120, hidden_size=64, intermediate_size=96,
-                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=128)  # fmt: skip
-    config = ModelConfig(**(fields | overrides))
-    model = build_empty_model(config, torch.bfloat16, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
-    for name, param in model.named_parameters():
-        noise = torch.randn(param.shape, generator=gen)
-        param.copy_(1 + 0.1 * noise if "norm" in name else noise * param.shape[-1] ** -0.5)
-    head = model.model.embed_tokens.weight if model.lm_head is None else None
-    if weights == "int8":
-        quantize_int8(model, head)
-    else:
-        if not can_pack(torch.bfloat16, torch.device("cpu")):
-            pytest.skip("this torch build has no oneDNN bfloat16 packing")
-        # "pairs": the small-GEMM layout where it runs (not for the 120-row head, which stays plain)
-        replace_linears(model, functools.partial(PackedLinear, keep_plain=True, keep_pairs=weights == "pairs"), head)
-    return model, config
 
 
 def decode(model, config, paged_runner, prompt, steps, one_call: bool):
@@ -61,30 +35,30 @@ def decode(model, config, paged_runner, prompt, steps, one_call: bool):
     [{}, {"attention_bias": True, "attention_out_bias": True}, {"tie_word_embeddings": True}],
     ids=["plain", "biases", "tied"],
 )
-def test_one_call_step_is_bit_identical_to_the_layer_by_layer_path(paged_runner, weights, overrides):
-    model, config = tiny_model(weights, **overrides)
+def test_one_call_step_is_bit_identical_to_the_layer_by_layer_path(paged_runner, tiny_llama, weights, overrides):
+    model, config = tiny_llama(weights, **overrides)
     prompt = list(range(3, 21))  # 18 tokens: the decodes cross blocks of 4
     fused, fused_caches = decode(model, config, paged_runner, prompt, 9, one_call=True)
     assert model._decoder is not None and model._decoder[1] is not None  # it did run
-    if weights == "pairs" and kernels.cpu_kernels() is not None and "avx512_bf16" in kernels._cpu_flags():
+    if weights == "pairs" and kernels.cpu_kernels() is not None and "avx512_bf16" in build.cpu_flags():
         assert model.model.layers[0].self_attn.qkv_proj.pair_weight is not None  # the pair layout was read
     layered, layered_caches = decode(model, config, paged_runner, prompt, 9, one_call=False)
     assert torch.equal(fused, layered)
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, layered_caches))
 
 
-def test_it_stands_aside_where_it_does_not_apply(paged_runner):
-    model, config = tiny_model("bf16", qk_norm=True)  # Qwen3's per-head q/k norm: not in the native step
+def test_it_stands_aside_where_it_does_not_apply(paged_runner, tiny_llama):
+    model, config = tiny_llama("bf16", qk_norm=True)  # Qwen3's per-head q/k norm: not in the native step
     decode(model, config, paged_runner, [5, 6, 7], 1, one_call=True)
     assert model._decoder[1] is None
     unpacked = build_empty_model(config, torch.bfloat16, torch.device("cpu"))  # nn.Linear keeps no kernel weights
     assert unpacked._one_token_decoder([torch.zeros(2, 8, 4, 2, 16, dtype=torch.bfloat16)] * 3) is None
 
 
-def test_it_rejects_what_it_cannot_read():
+def test_it_rejects_what_it_cannot_read(tiny_llama):
     from servelm import kernels
 
-    model, config = tiny_model("bf16")
+    model, config = tiny_llama("bf16")
     caches = [torch.zeros(2, 8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
     decoder = model._one_token_decoder(caches)
     x = torch.zeros(1, 64, dtype=torch.bfloat16)

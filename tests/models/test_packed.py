@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm import kernels
+from servelm.kernels import build
 from servelm.models.packed import PackedLinear, can_pack, pairs_beat_onednn, replace_linears
 
 pytestmark = pytest.mark.skipif(
@@ -32,7 +33,7 @@ def test_packed_layer_computes_the_plain_linear(rows, with_bias, keep_plain):
 
 
 def has_avx512_bf16() -> bool:
-    return "avx512_bf16" in kernels._cpu_flags()
+    return "avx512_bf16" in build.cpu_flags()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 12, 13, 32, 64, 65])  # tiles of 12 rows, a partial one; 65: oneDNN

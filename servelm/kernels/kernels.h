@@ -1,0 +1,76 @@
+/* The C kernels' entry points, for the other C files and for ops.cpp, which
+ * registers them as PyTorch ops after checking every argument: the kernels
+ * themselves trust theirs. bfloat16 travels as its bits (uint16_t). */
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* paged_attention.c */
+void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int64_t *tables, int64_t max_blocks, const int64_t *lens, uint16_t *out, int64_t B,
+                       int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int nthreads);
+void paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                      const int64_t *tables, int64_t max_blocks, const int64_t *lens, float *out, int64_t B, int64_t H,
+                      int64_t KVH, int64_t D, int64_t block_size, float scale, int nthreads);
+/* 0 where it does not run (no AVX512-BF16, D not a multiple of 64): out is then untouched. */
+int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int64_t *tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
+                       const int64_t *ctx_lens, int64_t S, uint16_t *out, int64_t H, int64_t KVH, int64_t D,
+                       int64_t block_size, float scale, int nthreads);
+
+/* fused_ops.c */
+void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t rows,
+                       int64_t hidden, float eps, int nthreads);
+void add_rms_norm_f32(const float *x, float *residual, const float *w, float *out, int64_t rows, int64_t hidden,
+                      float eps, int nthreads);
+void rope_bf16(uint16_t *x, int64_t rows, int64_t stride, int64_t heads, int64_t D, const float *cos_sin,
+               const int64_t *positions, int nthreads);
+void rope_f32(float *x, int64_t rows, int64_t stride, int64_t heads, int64_t D, const float *cos_sin,
+              const int64_t *positions, int nthreads);
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inner, int nthreads);
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inner, int nthreads);
+void write_kv(char *k_cache, char *v_cache, const char *key, const char *value, int64_t stride, const int64_t *slots,
+              int64_t rows, int64_t row_bytes);
+
+/* gemv.c */
+void bf16_gemv(const uint16_t *x, int64_t K, const uint16_t *w, const uint16_t *bias, int64_t N, uint16_t *out,
+               int nthreads);
+void int8_linear_bf16(const uint16_t *x, int64_t K, const int8_t *w, const uint16_t *scales, int64_t N,
+                      uint16_t *out, int nthreads);
+int bf16_pairs_supported(void);
+void bf16_pack_pairs(const uint16_t *w, int64_t N, int64_t K, uint16_t *pairs, int nthreads);
+void bf16_gemm_pairs(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pairs, const uint16_t *bias,
+                     int64_t N, uint16_t *out, int nthreads);
+
+/* decode_one.c: a linear layer [out_features, in_features]: bfloat16 weight,
+ * plain or in gemv.c's pair layout, or int8 weight with bfloat16 scales per
+ * row (quantization.py); bias NULL or [out_features]. */
+struct linear {
+    const void *weight;
+    const uint16_t *scales; /* NULL: the weight is bfloat16 */
+    const uint16_t *bias;
+    int64_t pairs; /* nonzero: the bfloat16 weight is in the pair layout */
+};
+
+struct decoder_layer {
+    const uint16_t *input_norm, *post_norm;
+    struct linear qkv, o, gate_up, down;
+    uint16_t *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
+};
+
+struct decoder {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const float *cos_sin; /* [positions, head_dim]: cos then sin */
+    const uint16_t *final_norm;
+    const struct decoder_layer *layers;
+};
+
+void decode_one_bf16(const struct decoder *m, uint16_t *x, int64_t position, const int64_t *table, int nthreads);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,191 @@
+"""The typed Python face of servelm's CPU kernels: one method per op of ``torch.ops.servelm``.
+
+The ops are registered in C++ (``ops.cpp``, ``decoder_op.cpp``) with
+schemas, check every argument before their kernel reads it (a wrong dtype,
+device, shape, stride, contiguity or index raises ValueError) and show by
+name (``servelm::rms_norm`` ...) in ``torch.profiler``. This class only names
+them and documents what each takes; it exists once the library is loaded
+(``servelm.kernels.cpu_kernels``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class LinearWeights(NamedTuple):
+    """What the one-token decoder reads of a linear layer: a bfloat16 weight ``[out, in]`` (or, with
+    ``pairs``, the same in ``pack_pairs``'s layout), or an int8 one with bfloat16 ``scales`` ``[out]`` per
+    row; ``bias`` ``[out]`` bfloat16 or None."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor | None
+    bias: torch.Tensor | None
+    pairs: bool = False
+
+
+class DecoderLayerWeights(NamedTuple):
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: LinearWeights  # q heads, then k, then v
+    o: LinearWeights
+    gate_up: LinearWeights  # gate rows, then up
+    down: LinearWeights
+    kv_cache: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim]
+
+
+class OneTokenDecoder:
+    """A decoding step of one sequence through every layer in one op (``servelm::decode_one``).
+
+    Wraps a ``torch.classes.servelm.OneTokenDecoder``, which checked the
+    weights and caches when it was made and holds them, so they outlive it.
+    """
+
+    def __init__(self, native: torch.ScriptObject) -> None:
+        self._native = native
+        self._op = torch.ops.servelm.decode_one.default
+
+    def __call__(self, x: torch.Tensor, position: int, block_table: torch.Tensor) -> torch.Tensor:
+        """The final hidden state ``[1, hidden]`` of the token whose embedding is ``x`` ``[1, hidden]``
+        (overwritten), at ``position`` of the sequence whose block table ``block_table`` (int64) covers it."""
+        self._op(self._native, x, position, block_table)
+        return x
+
+
+class CpuKernels:
+    """The loaded ops, for bfloat16 and float32 CPU tensors (some bfloat16 only, as each says)."""
+
+    def __init__(self) -> None:
+        ops = torch.ops.servelm
+        self._decode_attention = ops.decode_attention.default
+        self._prefill_attention = ops.prefill_attention.default
+        self._write_kv = ops.write_kv.default
+        self._rms_norm = ops.rms_norm.default
+        self._rope = ops.rope_.default
+        self._silu_mul = ops.silu_mul.default
+        self._int8_linear = ops.int8_linear.default
+        self._gemv = ops.gemv.default
+        self._pack_pairs = ops.pack_pairs.default
+        self._gemm_pairs = ops.gemm_pairs.default
+
+    @staticmethod
+    def supports(*tensors: torch.Tensor) -> bool:
+        """Whether these tensors can go to the kernels: CPU, one dtype, bfloat16 or float32."""
+        dtype = tensors[0].dtype
+        return dtype in _DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+
+    def decode_attention(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """One query token per sequence over the paged cache.
+
+        ``query`` ``[B, H, D]`` (each token's heads contiguous; the token axis
+        may be strided, as in a view of the fused QKV output); ``kv_cache``
+        ``[2, blocks, block_size, KVH, D]`` contiguous; ``block_tables``
+        ``[B, max_blocks]`` int64; ``lens`` ``[B]`` int64, each in
+        ``[1, max_blocks * block_size]``. Returns ``[B, H, D]`` contiguous.
+        """
+        return self._decode_attention(query, kv_cache, block_tables, lens, scale)
+
+    def prefill_attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> bool:
+        """Causal attention of prefilling sequences over the cache, into ``out``; False where the kernel does
+        not apply (not bfloat16, no AVX512-BF16, head dims not a multiple of 64): ``out`` is then untouched.
+
+        ``query`` ``[T, H, D]`` holds the sequences' new tokens one after the other (each token's heads
+        contiguous; the token axis may be strided); their K/V are already in ``kv_cache``. ``seq_lens``
+        ``[3, S]`` int64: each sequence's first row in ``query``, its new tokens, and its context (cached
+        tokens + new); ``block_tables`` ``[S, max_blocks]``. ``out`` contiguous, ``[T', H, D]`` with
+        ``T' >= T``: the sequences' rows are written, any after them left alone.
+        """
+        return self._prefill_attention(query, kv_cache, block_tables, seq_lens, scale, out)
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """``kv_cache[0]``'s and ``kv_cache[1]``'s flat slot ``slots[t]`` = token t's ``key`` and ``value``
+        ``[T, kv_heads, head_dim]`` (each token's heads contiguous; the token axis may be strided, as in views
+        of the fused QKV output, the same for both), as ``attention.write_kv_cache`` does."""
+        self._write_kv(kv_cache, key, value, slots)
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """RMSNorm of ``x`` ``[..., hidden]`` (contiguous), as ``layers.norm.RMSNorm`` computes it.
+
+        With ``residual`` (same shape, contiguous), first ``residual += x`` in
+        place, rounded to the dtype, and the norm is taken of the new residual.
+        """
+        return self._rms_norm(x, weight, eps, residual)
+
+    def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rotate-half RoPE in place on the first ``heads`` heads of each row of ``x`` ``[T, width]``.
+
+        The rows may be strided (a fused QKV output's q and k part); ``cos_sin``
+        ``[max_positions, head_dim]`` float32, cos then sin; ``positions`` ``[T]`` int64.
+        """
+        self._rope(x, heads, head_dim, cos_sin, positions)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gate_up`` ``[..., 2 * inner]`` (contiguous), as ``layers.activation`` computes
+        it."""
+        return self._silu_mul(gate_up)
+
+    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` for one bfloat16 row ``x`` ``[1, K]``, ``W`` = int8 ``qweight`` ``[N, K]`` times bfloat16
+        ``scales`` ``[N]`` per row, as ``aten._weight_int8pack_mm`` computes it. Returns ``[1, N]`` bfloat16."""
+        return self._int8_linear(x, qweight, scales)
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b`` for one bfloat16 row ``x`` ``[1, K]``, ``weight`` ``[N, K]`` and ``bias`` ``[N]``
+        bfloat16, summed in float32 and rounded once, as oneDNN's linear does. Returns ``[1, N]``."""
+        return self._gemv(x, weight, bias)
+
+    def pack_pairs(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A copy of a bfloat16 ``weight`` ``[N, K]`` with its elements in ``gemm_pairs``'s layout (the same
+        shape, so only these kernels can read it), or None where that kernel does not run: no AVX512-BF16, or
+        N not a multiple of 32, or K odd."""
+        return self._pack_pairs(weight)
+
+    def gemm_pairs(
+        self, x: torch.Tensor, pairs: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x W^T + b`` for a few bfloat16 rows ``x`` ``[M, K]``, with W ``[out_features, K]`` as
+        ``pack_pairs`` made it and ``bias`` ``[out_features]`` bfloat16; float32 sums rounded once. ``[M, N]``."""
+        return self._gemm_pairs(x, pairs, out_features, bias)
+
+    def one_token_decoder(
+        self,
+        layers: list[DecoderLayerWeights],
+        final_norm: torch.Tensor,
+        cos_sin: torch.Tensor,
+        *,
+        heads: int,
+        eps: float,
+        scale: float,
+    ) -> OneTokenDecoder:
+        """A one-call decoding step over these bfloat16 weights and caches (models/one_token_decoder.py
+        builds it); ValueError for any it cannot read.
+
+        Every tensor must be contiguous on the CPU, the norms, biases, scales
+        and caches bfloat16 (the weights bfloat16 or int8), ``cos_sin`` float32
+        ``[positions, head_dim]``.
+        """
+        tensors: list[torch.Tensor | None] = []
+        pairs = []
+        for layer in layers:
+            tensors += [layer.input_norm, layer.post_norm, layer.kv_cache]
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                tensors += [linear.weight, linear.scales, linear.bias]
+                pairs.append(int(linear.pairs))
+        native = torch.classes.servelm.OneTokenDecoder(tensors, pairs, final_norm, cos_sin, heads, eps, scale)
+        return OneTokenDecoder(native)

@@ -1,0 +1,110 @@
+"""The load-time self-check: each op of a freshly loaded build against plain PyTorch on small cases.
+
+A build is used only once it passes (``servelm.kernels.cpu_kernels``): a
+miscompiled kernel then costs speed (the PyTorch path runs), never wrong
+text. ``reference_decode_attention`` is also bench/kernels.py's expectation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from servelm.kernels.ops import CpuKernels
+
+
+def reference_decode_attention(query, kv_cache, block_tables, lens, scale):
+    """Decode attention in float64 PyTorch: the self-check's expectation, and bench/kernels.py's."""
+    block_size = kv_cache.shape[2]
+    group = query.shape[1] // kv_cache.shape[3]
+    flat = kv_cache.flatten(1, 2).double()
+    outs = []
+    for b, n in enumerate(lens.tolist()):
+        slots = [block_tables[b, t // block_size] * block_size + t % block_size for t in range(n)]
+        k = flat[0, slots].repeat_interleave(group, 1)  # [n, H, D]
+        v = flat[1, slots].repeat_interleave(group, 1)
+        weights = (torch.einsum("hd,nhd->hn", query[b].double(), k) * scale).softmax(-1)
+        outs.append(torch.einsum("hn,nhd->hd", weights, v))
+    return torch.stack(outs)
+
+
+def self_check(kernels: CpuKernels) -> None:
+    """Each kernel against plain PyTorch on a small case, in both dtypes; RuntimeError on a mismatch."""
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 6, 4, 2, 16, generator=gen)
+    tables, lens = torch.tensor([[5, 1, 3], [0, 2, 4]]), torch.tensor([11, 3])
+    query = torch.randn(2, 6, 16, generator=gen)
+    x, res, w = torch.randn(3, 40, generator=gen), torch.randn(3, 40, generator=gen), torch.randn(40, generator=gen)
+    cos_sin, positions = torch.randn(9, 8, generator=gen), torch.tensor([4, 0, 8])
+    cos, sin = cos_sin[positions, None].chunk(2, -1)
+    x1, x2 = x[:, :16].view(3, 2, 8).chunk(2, -1)
+    checks = {
+        "decode_attention": (
+            lambda dt: kernels.decode_attention(query.to(dt), cache.to(dt), tables, lens, 0.25),
+            reference_decode_attention(query, cache, tables, lens, 0.25),
+        ),
+        "rms_norm": (
+            lambda dt: kernels.rms_norm(x.to(dt), w.to(dt), 1e-5, res.to(dt).clone()),
+            w * (res + x) * torch.rsqrt((res + x).pow(2).mean(-1, keepdim=True) + 1e-5),
+        ),
+        "rope_": (
+            lambda dt: _rotated(kernels, x.to(dt, copy=True), cos_sin, positions),
+            torch.cat([torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).view(3, 16), x[:, 16:]], -1),
+        ),
+        "silu_mul": (lambda dt: kernels.silu_mul(x.to(dt)), torch.nn.functional.silu(x[:, :20]) * x[:, 20:]),
+        "write_kv": (  # rows 0 and 1 of x as three tokens' K and V heads, into slots 5, 0, 2 of a zero cache
+            lambda dt: _written(kernels, x.to(dt), torch.tensor([5, 0, 2])),
+            torch.zeros(2, 6, 16).index_copy_(1, torch.tensor([5, 0, 2]), x[:, :32].view(3, 2, 16).transpose(0, 1)),
+        ),
+    }
+    qweight = torch.randint(-127, 128, (12, 40), generator=gen, dtype=torch.int8)
+    scales = torch.rand(12, generator=gen).to(torch.bfloat16)
+    row = x[:1].to(torch.bfloat16)
+    int8_expected = row.double() @ (qweight.double() * scales.double()[:, None]).T
+    checks["int8_linear"] = (lambda dt: kernels.int8_linear(row, qweight, scales), int8_expected)
+    weight, bias = (qweight.double() * scales.double()[:, None]).to(torch.bfloat16), res[0, :12].to(torch.bfloat16)
+    gemv_expected = row.double() @ weight.double().T + bias.double()
+    checks["gemv"] = (lambda dt: kernels.gemv(row, weight, bias), gemv_expected)
+    wide = torch.cat([weight, weight.flip(0), weight[:8]])  # 32 outputs: one block pair of the pair layout
+    pairs = kernels.pack_pairs(wide)
+    if pairs is not None:
+        rows, wide_bias = x.to(torch.bfloat16), torch.cat([bias, bias, bias[:8]])
+        pairs_expected = rows.double() @ wide.double().T + wide_bias.double()
+        checks["gemm_pairs"] = (lambda dt: kernels.gemm_pairs(rows, pairs, 32, wide_bias), pairs_expected)
+    _check_prefill(kernels, gen)
+    for name, (run, expected) in checks.items():
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+            if name in ("int8_linear", "gemv", "gemm_pairs"):
+                tol = 1e-2  # bfloat16 in and out whatever the model's dtype
+            got = run(dtype).double()
+            if got.shape != expected.shape:
+                raise RuntimeError(f"{name} in {dtype} differs from PyTorch's in shape: {tuple(got.shape)}")
+            if not torch.allclose(got, expected.double(), atol=tol, rtol=tol):
+                raise RuntimeError(f"{name} in {dtype} differs from PyTorch's by {(got - expected).abs().max():.3g}")
+
+
+def _check_prefill(kernels: CpuKernels, gen: torch.Generator) -> None:
+    """The prefill kernel where it applies (bfloat16, 64-dim heads): token i of a sequence's new tokens attends
+    like a decoding token at position ``context - new + i``."""
+    cache = torch.randn(2, 6, 4, 2, 64, generator=gen).to(torch.bfloat16)
+    tables = torch.tensor([[5, 1, 3], [0, 2, 4]])
+    seq_lens = torch.tensor([[0, 5], [5, 2], [11, 3]])  # first rows, new tokens, contexts: 5 of 11, 2 of 3
+    query = torch.randn(7, 6, 64, generator=gen).to(torch.bfloat16)
+    out = query.new_zeros(query.shape)
+    if not kernels.prefill_attention(query, cache, tables, seq_lens, 0.125, out):
+        return
+    token_tables, token_lens = tables[[0] * 5 + [1] * 2], torch.tensor([7, 8, 9, 10, 11, 2, 3])
+    expected = reference_decode_attention(query, cache, token_tables, token_lens, 0.125)
+    if not torch.allclose(out.double(), expected, atol=3e-2, rtol=3e-2):
+        error = (out.double() - expected).abs().max()
+        raise RuntimeError(f"prefill_attention in torch.bfloat16 differs from PyTorch's by {error:.3g}")
+
+
+def _written(kernels: CpuKernels, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    cache = x.new_zeros(2, 3, 2, 1, 16)  # 6 slots of one 16-dim head
+    kernels.write_kv(cache, x[:, :16].view(3, 1, 16), x[:, 16:32].view(3, 1, 16), slots)
+    return cache.view(2, 6, 16)
+
+
+def _rotated(kernels: CpuKernels, x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    kernels.rope_(x, 2, 8, cos_sin, positions)
+    return x
