@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from servelm import kernels
-from servelm.engine.malloc import huge_page_copies
 from servelm.models.packed import PAIR_MAX_ROWS, PackedLinear, can_pack
+from servelm.platform.memory import huge_page_copies
 
 HIDDEN, FFN, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
 

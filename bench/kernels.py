@@ -23,8 +23,8 @@ from unittest import mock
 import torch
 
 from servelm import kernels
-from servelm.engine.malloc import keep_freed_memory
 from servelm.layers.attention import AttentionMetadata, paged_attention
+from servelm.platform.memory import keep_freed_memory
 
 PYTORCH_PATH = mock.patch.object(kernels, "cpu_kernels", lambda: None)
 

@@ -16,7 +16,6 @@ import torch
 
 from servelm.engine.config import EngineConfig
 from servelm.engine.device import resolve_device, resolve_dtype
-from servelm.engine.malloc import keep_freed_memory
 from servelm.engine.sample_isolation import sample_isolated
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import SchedulerOutput
@@ -24,6 +23,7 @@ from servelm.kernels import cpu_kernels
 from servelm.layers.attention import AttentionMetadata
 from servelm.models.loader import load_model
 from servelm.models.weight_layout import free_memory_bytes, lay_out_weights
+from servelm.platform.memory import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 

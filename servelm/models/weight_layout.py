@@ -10,7 +10,7 @@ On the CPU, in order:
   its weight for decoding where it fits in memory: in the small-GEMM kernel's
   pair layout where that beats oneDNN, else plain for batch 1;
 - then the weights decoding streams every step (pair layout, plain, int8) move
-  onto transparent huge pages (``servelm.engine.malloc``).
+  onto transparent huge pages (``servelm.platform.memory``).
 
 Elsewhere (CUDA, float32 without packing) the model keeps its ``nn.Linear``
 layers as loaded.
@@ -25,9 +25,9 @@ import os
 import torch
 from torch import nn
 
-from servelm.engine.malloc import huge_page_copies
 from servelm.models.packed import PackedLinear, can_pack, pairs_beat_onednn, replace_linears
 from servelm.models.quantization import Int8Linear, quantize_int8
+from servelm.platform.memory import huge_page_copies
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +47,16 @@ def lay_out_weights(model: nn.Module, quantization: str) -> None:
     """
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    if quantization == "int8":
-        if device.type != "cpu":
+    if device.type != "cpu":  # every layout below is for CPUs
+        if quantization == "int8":
             raise ValueError(f"quantization int8 runs on CPU only (its kernel is a CPU one); the device is {device}")
+        return
+    if quantization == "int8":
         count = quantize_int8(model, _tied_head(model))
         logger.info("quantized %d linear layers to int8 (weight-only)", count)
     elif can_pack(dtype, device):
         _pack(model, device)
-    if device.type == "cpu":
-        _stream_from_huge_pages(model, device)
+    _stream_from_huge_pages(model, device)
 
 
 def _pack(model: nn.Module, device: torch.device) -> None:
@@ -79,7 +80,7 @@ def _pack(model: nn.Module, device: torch.device) -> None:
 
 def _stream_from_huge_pages(model: nn.Module, device: torch.device) -> None:
     # Decoding streams the pair-layout, plain or int8 weights of every layer once per step. On
-    # transparent huge pages it takes a TLB miss every 2 MiB instead of every 4 KiB (malloc.py).
+    # transparent huge pages it takes a TLB miss every 2 MiB instead of every 4 KiB (servelm/platform/memory.py).
     owners = [
         (m, attr)
         for m in model.modules()

@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from servelm.engine.malloc import huge_page_copies, keep_freed_memory
+from servelm.platform.memory import huge_page_copies, keep_freed_memory
 
 
 def test_thresholds_are_set_under_glibc_and_skipped_elsewhere():

@@ -1,11 +1,12 @@
-"""Where the engine's CPU memory comes from: glibc's malloc kept from handing activation memory back to
-the kernel after every step, and huge pages for the memory decoding streams through.
+"""Where servelm's CPU memory comes from: glibc's malloc kept from handing activation memory back to
+the kernel after every step, and huge pages for the memory decoding streams through. CPU only: the
+engine calls ``keep_freed_memory`` and the weight layout ``huge_page_copies`` behind their device check.
 
 By default glibc serves allocations above a moving threshold (at most 32 MiB)
 with fresh ``mmap`` calls and trims its heap as soon as 128 KiB at the top are
 free. A model step allocates and frees tens of megabytes of activations, so
-every step would fault in (and the kernel zero) the same pages again: about a
-third of a prefill step's time on CPU. Raising both thresholds once makes the
+every step would fault in (and the kernel zero) the same pages again, a large
+share of a prefill step's time on CPU. Raising both thresholds once makes the
 freed memory stay in the process for the next step, as tcmalloc and jemalloc
 do (vLLM's CPU build preloads tcmalloc for the same reason).
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import math
 import mmap
 
 import torch
