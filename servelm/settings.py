@@ -127,6 +127,13 @@ class Settings(BaseSettings):
         "greedy outputs agree with float32 closely but not exactly (docs/BENCHMARKS.md)",
         group="engine",
     )
+    cpu_matmul: Literal["auto", "onednn", "pairs"] = setting(
+        "auto",
+        "bfloat16 matmuls of decoding steps of up to 64 sequences on CPU: pairs (servelm's small-GEMM kernel, "
+        "AVX512-BF16 CPUs), onednn (oneDNN's prepacked GEMM), or auto: the faster in a timing at start-up (logged); "
+        "pin it for reproducible runs",
+        group="engine",
+    )
 
     host: str = setting("127.0.0.1", "address to listen on", group="HTTP", metavar="HOST")
     port: int = setting(8000, "port to listen on, 0 for any free port", group="HTTP", metavar="PORT", ge=0, le=65535)
@@ -412,6 +419,7 @@ class Settings(BaseSettings):
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
             quantization=self.quantization,
+            cpu_matmul=self.cpu_matmul,
         )
 
     def read_chat_template(self) -> str | None:

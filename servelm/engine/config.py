@@ -24,6 +24,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     quantization: str = "none"  # none, or int8: weight-only int8 (CPU), see servelm/models/quantization.py
+    cpu_matmul: str = "auto"  # auto, onednn or pairs: decoding's small bf16 matmuls on CPU, see models/packed.py
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -36,5 +37,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.cpu_matmul not in ("auto", "onednn", "pairs"):
+            raise ValueError(f"cpu_matmul must be auto, onednn or pairs, got {self.cpu_matmul!r}")
         if isinstance(self.kv_cache_memory, int) and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory in bytes must be > 0, got {self.kv_cache_memory}")

@@ -1,34 +1,35 @@
 """Linear layers with oneDNN-prepacked bfloat16 weights, for CPU inference.
 
 oneDNN multiplies faster when a weight is stored once in its own blocked
-layout than when it reorders a plain weight on every call: on a 2-core
-AVX512-BF16 CPU, SmolLM2-135M's decoder-layer matmuls take 1.6x to 2.2x less
-time from 1 to 64 rows and 1.1x less at 512 or more
-(``bench/gemm.py --no-head``). Batch-1 decoding then reads the weights at
-close to memory speed. The packed weight is opaque: only this
-module's forward uses it.
+layout than when it reorders a plain weight on every call, most of all for
+the few rows of a decoding step (``bench/gemm.py --no-head``). The packed
+weight is opaque: only this module's forward uses it.
 
 One row (batch-1 decoding) is the exception: oneDNN's packed GEMV reads the
-weights at 15-20 GB/s there, servelm's own matrix-vector kernel
-(``servelm.kernels``) at about 35 GB/s (``bench/gemm.py``). It needs the plain weight, so a layer
-can keep that too (``keep_plain``), at the cost of a second copy of the
-weights; ``weight_layout.py`` asks for it when the copy fits in memory. On
-AVX512-BF16 CPUs the copy is instead in the layout of servelm's small-GEMM
-kernel (``keep_pairs``), which serves one row as fast as the matrix-vector
-kernel and 2 to ``PAIR_MAX_ROWS`` rows (decoding a few dozen sequences)
-1.3-1.4x faster than oneDNN (``bench/gemm.py``); ``weight_layout.py`` asks for it where
-a timing at start-up says so (``pairs_beat_onednn``).
+weights well below memory speed there, servelm's own matrix-vector kernel
+(``servelm.kernels``) close to it (``bench/gemm.py``). It needs the plain
+weight, so a layer can keep that too (``keep_plain``), at the cost of a
+second copy of the weights; ``weight_layout.py`` asks for it when the copy
+fits in memory. On AVX512-BF16 CPUs the copy can instead be in the layout of
+servelm's small-GEMM kernel (``keep_pairs``), which serves one row as fast as
+the matrix-vector kernel and 2 to ``PAIR_MAX_ROWS`` rows (decoding a few
+dozen sequences) faster than oneDNN where oneDNN has no more than the same
+instructions (``bench/gemm.py``); ``use_pair_layout`` says whether to, as the
+``cpu_matmul`` setting pins it or a timing at start-up finds.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 import torch
 from torch import nn
 
 from servelm import kernels
+
+logger = logging.getLogger(__name__)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -44,19 +45,52 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 PAIR_MAX_ROWS = 64  # the most rows the small-GEMM kernel takes; oneDNN's packed GEMM catches up beyond
 
 
+def use_pair_layout(cpu_matmul: str) -> bool:
+    """Whether decoding's products of up to ``PAIR_MAX_ROWS`` rows go to servelm's small-GEMM kernel (over
+    weights in its pair layout) rather than to oneDNN: ``pairs`` and ``onednn`` pin the choice without a
+    timing (``pairs`` falls back to oneDNN, with a warning, where the kernel does not run); ``auto`` asks
+    ``pairs_beat_onednn``."""
+    if cpu_matmul == "auto":
+        return pairs_beat_onednn()
+    if cpu_matmul == "pairs" and _small_gemm_kernels() is None:
+        logger.warning(
+            "cpu_matmul pairs: servelm's small-GEMM kernel does not run here (%s): using oneDNN", _NO_SMALL_GEMM
+        )
+        return False
+    pairs = cpu_matmul == "pairs"
+    logger.info("cpu_matmul %s: decoding's small matmuls use %s, as pinned", cpu_matmul, _path(pairs))
+    return pairs
+
+
+def _path(pairs: bool) -> str:
+    return "the pair layout" if pairs else "oneDNN"
+
+
+_NO_SMALL_GEMM = "it needs servelm's CPU kernels, an AVX512-BF16 CPU and oneDNN's bfloat16 packing"
+
+
+def _small_gemm_kernels() -> kernels.CpuKernels | None:
+    """The kernels where the small GEMM runs beside oneDNN's packed bfloat16 GEMM, else None."""
+    native = kernels.cpu_kernels()
+    probe = torch.zeros(32, 2, dtype=torch.bfloat16)
+    runs = native is not None and native.pack_pairs(probe) is not None and can_pack(torch.bfloat16, probe.device)
+    return native if runs else None
+
+
 @functools.cache
 def pairs_beat_onednn() -> bool:
     """Whether servelm's small-GEMM kernel multiplies 32 rows faster than oneDNN's packed GEMM on this CPU.
 
-    It does, 1.3-1.4x, on AVX512-BF16 CPUs where oneDNN has the same instructions (``bench/gemm.py``);
-    where oneDNN has more (AMX) it need not. One [32, 576] x [576, 3072] product each way, the best of
-    five alternating calls (a few milliseconds), settles it; False where the kernel does not run here.
+    It does on AVX512-BF16 CPUs where oneDNN has the same instructions (``bench/gemm.py``); where oneDNN
+    has more (AMX) it need not. One [32, 576] x [576, 3072] product each way, the best of five alternating
+    calls (a few milliseconds), settles it, logged with its figures; False where the kernel does not run.
     """
-    native = kernels.cpu_kernels()
-    weight = torch.randn(3072, 576).to(torch.bfloat16)
-    pairs = native.pack_pairs(weight) if native else None
-    if pairs is None or not can_pack(torch.bfloat16, torch.device("cpu")):
+    native = _small_gemm_kernels()
+    if native is None:
+        logger.info("cpu_matmul auto: decoding's small matmuls use oneDNN (%s)", _NO_SMALL_GEMM)
         return False
+    weight = torch.randn(3072, 576).to(torch.bfloat16)
+    pairs = native.pack_pairs(weight)
     packed = PackedLinear(weight)
     x = torch.randn(32, 576).to(torch.bfloat16)
     runs = {"pairs": lambda: native.gemm_pairs(x, pairs, 3072), "onednn": lambda: packed(x)}
@@ -67,7 +101,15 @@ def pairs_beat_onednn() -> bool:
                 start = time.perf_counter()
                 run()
                 best[name] = min(best[name], time.perf_counter() - start)
-    return best["pairs"] < best["onednn"]
+    faster = best["pairs"] < best["onednn"]
+    logger.info(
+        "cpu_matmul auto: a [32, 576] x [576, 3072] bfloat16 matmul takes %.3f ms in the pair layout vs %.3f ms "
+        "in oneDNN's: decoding's small matmuls use %s",
+        best["pairs"] * 1e3,
+        best["onednn"] * 1e3,
+        _path(faster),
+    )
+    return faster
 
 
 class PackedLinear(nn.Module):

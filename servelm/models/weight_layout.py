@@ -8,7 +8,8 @@ On the CPU, in order:
 - else, where this torch build packs bfloat16 weights for oneDNN, every linear
   layer becomes a :class:`PackedLinear` (packed.py), keeping a second copy of
   its weight for decoding where it fits in memory: in the small-GEMM kernel's
-  pair layout where that beats oneDNN, else plain for batch 1;
+  pair layout where ``cpu_matmul`` says so (``use_pair_layout``), else plain
+  for batch 1;
 - then the weights decoding streams every step (pair layout, plain, int8) move
   onto transparent huge pages (``servelm.platform.memory``).
 
@@ -25,7 +26,7 @@ import os
 import torch
 from torch import nn
 
-from servelm.models.packed import PackedLinear, can_pack, pairs_beat_onednn, replace_linears
+from servelm.models.packed import PackedLinear, can_pack, replace_linears, use_pair_layout
 from servelm.models.quantization import Int8Linear, quantize_int8
 from servelm.platform.memory import huge_page_copies
 
@@ -40,10 +41,11 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def lay_out_weights(model: nn.Module, quantization: str) -> None:
+def lay_out_weights(model: nn.Module, quantization: str, cpu_matmul: str) -> None:
     """Replace ``model``'s linear layers by the layout that runs fastest where it lives, in place.
 
-    ``quantization`` is ``none`` or ``int8`` (CPU only: ValueError elsewhere).
+    ``quantization`` is ``none`` or ``int8`` (CPU only: ValueError elsewhere); ``cpu_matmul`` (``auto``,
+    ``onednn`` or ``pairs``) picks the products of decoding's few rows on CPU (``packed.use_pair_layout``).
     """
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
@@ -55,19 +57,19 @@ def lay_out_weights(model: nn.Module, quantization: str) -> None:
         count = quantize_int8(model, _tied_head(model))
         logger.info("quantized %d linear layers to int8 (weight-only)", count)
     elif can_pack(dtype, device):
-        _pack(model, device)
+        _pack(model, device, cpu_matmul)
     _stream_from_huge_pages(model, device)
 
 
-def _pack(model: nn.Module, device: torch.device) -> None:
+def _pack(model: nn.Module, device: torch.device, cpu_matmul: str) -> None:
     # Decoding reads a second copy of the weights faster than oneDNN's packed one (packed.py): in the
-    # small-GEMM kernel's pair layout where that beats oneDNN (with a tied head's too), else plain for batch 1
+    # small-GEMM kernel's pair layout where cpu_matmul says so (with a tied head's too), else plain for batch 1
     # (a tied head's plain weight is the embedding). It is kept only while it takes at most a quarter
     # of the free memory.
     plain_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, nn.Linear))
     head = _tied_head(model)
     budget = free_memory_bytes(device) // 4
-    keep_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget and pairs_beat_onednn()
+    keep_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget and use_pair_layout(cpu_matmul)
     keep_plain = plain_bytes <= budget
     make = functools.partial(PackedLinear, keep_plain=keep_plain, keep_pairs=keep_pairs)
     count = replace_linears(model, make, head)

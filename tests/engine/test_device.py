@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -32,12 +34,25 @@ def test_auto_on_cpu_follows_the_measured_matmul_speed(timings, fp32_s, bf16_s, 
     assert resolve_dtype("auto", torch.device("cpu")) == expected
 
 
-def test_auto_measures_once_per_process(timings, monkeypatch):
+def test_auto_measures_once_per_process_and_logs_the_figures_once(timings, monkeypatch, caplog):
     calls = []
-    monkeypatch.setattr(device_mod, "_matmul_seconds", lambda dtype: calls.append(dtype) or 1.0)
-    for _ in range(3):
-        resolve_dtype("auto", torch.device("cpu"))
+    seconds = {torch.bfloat16: 0.0005, torch.float32: 0.002}
+    monkeypatch.setattr(device_mod, "_matmul_seconds", lambda dtype: calls.append(dtype) or seconds[dtype])
+    with caplog.at_level(logging.INFO, logger="servelm.engine.device"):
+        for _ in range(3):
+            resolve_dtype("auto", torch.device("cpu"))
     assert calls == [torch.bfloat16, torch.float32]
+    assert caplog.messages == [
+        "dtype auto: a [128, 1024] x [1024, 2048] matmul takes 0.50 ms in bfloat16 vs 2.00 ms in float32 on this "
+        "CPU (bfloat16 must be 1.5x faster): using bfloat16"
+    ]
+
+
+def test_a_pinned_dtype_runs_no_timing(monkeypatch):
+    monkeypatch.setattr(device_mod, "_matmul_seconds", lambda dtype: pytest.fail("timed although pinned"))
+    device_mod.cpu_prefers_bf16.cache_clear()
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
 
 
 def test_auto_is_bf16_on_cuda_and_explicit_dtypes_are_kept(timings):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +12,8 @@ from torch import nn
 
 from servelm import kernels
 from servelm.kernels import build
-from servelm.models.packed import PackedLinear, can_pack, pairs_beat_onednn, replace_linears
+from servelm.models import packed as packed_mod
+from servelm.models.packed import PackedLinear, can_pack, pairs_beat_onednn, replace_linears, use_pair_layout
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.bfloat16, torch.device("cpu")), reason="this torch build has no oneDNN bfloat16 packing"
@@ -68,14 +72,45 @@ def test_without_the_kernels_the_small_gemm_is_not_chosen(monkeypatch):
     assert pairs_beat_onednn.__wrapped__() is False  # not the cached answer: this call's
 
 
-@pytest.mark.model
-def test_plain_weights_stay_where_the_small_gemm_loses(monkeypatch):
-    from servelm import LLM
-    from servelm.models import weight_layout
+def small_gemm_runs_here() -> bool:
+    return kernels.cpu_kernels() is not None and has_avx512_bf16()
 
-    monkeypatch.setattr(weight_layout, "pairs_beat_onednn", lambda: False)
-    model = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20).engine.runner.model
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+
+def test_a_pinned_cpu_matmul_runs_no_timing_and_says_so_once(monkeypatch, caplog):
+    monkeypatch.setattr(packed_mod, "pairs_beat_onednn", lambda: pytest.fail("timed although pinned"))
+    with caplog.at_level(logging.INFO, logger="servelm.models.packed"):
+        assert use_pair_layout("onednn") is False
+    assert caplog.messages == ["cpu_matmul onednn: decoding's small matmuls use oneDNN, as pinned"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="servelm.models.packed"):
+        assert use_pair_layout("pairs") is small_gemm_runs_here()
+    assert len(caplog.messages) == 1 and caplog.messages[0].startswith("cpu_matmul pairs:")
+
+
+def test_pairs_pinned_where_the_small_gemm_cannot_run_warns_and_keeps_onednn(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="servelm.models.packed"):
+        assert use_pair_layout("pairs") is False
+    assert "does not run here" in caplog.text and "using oneDNN" in caplog.text
+
+
+def test_auto_times_once_per_process_and_logs_the_figures(caplog):
+    pairs_beat_onednn.cache_clear()
+    with caplog.at_level(logging.INFO, logger="servelm.models.packed"):
+        choices = {use_pair_layout("auto") for _ in range(3)}
+    assert len(choices) == 1 and len(caplog.messages) == 1
+    if small_gemm_runs_here():
+        figures = r"takes \d+\.\d+ ms in the pair layout vs \d+\.\d+ ms in oneDNN's: decoding's small matmuls use "
+        assert re.search(figures + ("the pair layout" if choices == {True} else "oneDNN"), caplog.messages[0])
+
+
+@pytest.mark.model
+def test_cpu_matmul_onednn_keeps_plain_weights_without_timing(monkeypatch):
+    from servelm import LLM
+
+    monkeypatch.setattr(packed_mod, "pairs_beat_onednn", lambda: pytest.fail("timed although pinned"))
+    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20, cpu_matmul="onednn")
+    packed = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
     assert all(m.pair_weight is None and m.plain_weight is not None for m in packed)
 
 
