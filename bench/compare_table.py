@@ -130,10 +130,14 @@ def make_table(results: dict[str, dict[int, dict[str, Any]]], reference: str = D
                 mine, theirs = throughput(ref.get(c)), throughput(levels.get(c))
                 row.append("-" if mine is None or not theirs else f"{mine / theirs:.2f}x")
         rows.append(row)
-    lines = ["| " + " | ".join(row) + " |" for row in rows]
+    table = _markdown(rows)
     if ref is None:
-        lines.append(f"\n(no {reference!r} results: no ratio columns)")
-    return "\n".join(lines)
+        table += f"\n\n(no {reference!r} results: no ratio columns)"
+    return table
+
+
+def _markdown(rows: list[list[str]]) -> str:
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
 def weight_format(server: str) -> str:
@@ -238,7 +242,7 @@ def limits_table(results: dict[str, dict[int, dict[str, Any]]], limits: dict[str
                 _fraction(flops, limits.get("int8_gemm_ops")), _giga(step_bytes),
                 _fraction(step_bytes, limits.get("read_bytes_per_s")),
             ])
-    return limits_header(limits, cost) + "\n\n" + "\n".join("| " + " | ".join(row) + " |" for row in rows)
+    return limits_header(limits, cost) + "\n\n" + _markdown(rows)
 
 
 def memory_table(results: dict[str, dict[int, dict[str, Any]]], memory: dict[str, dict[str, Any]]) -> str:
@@ -247,19 +251,20 @@ def memory_table(results: dict[str, dict[int, dict[str, Any]]], memory: dict[str
     header = ["server", "RSS idle MiB", "PSS idle MiB", "RSS load max MiB", "PSS load max MiB", "processes",
               f"c={top} tok/s"]
     rows = [header, ["---"] + ["---:"] * (len(header) - 1)]
-
-    def mib(phase: str, key: str) -> str:
-        value = _number((doc.get(phase) or {}).get(key))
-        return "-" if value is None else f"{value / 2**20:.0f}"
-
     for name, levels in results.items():
         doc = memory.get(name)
         if doc is None:
             continue
-        processes = (doc.get("load") or doc.get("idle") or {}).get("processes_max", "-")
-        rows.append([name, mib("idle", "rss_median"), mib("idle", "pss_median"), mib("load", "rss_max"),
-                     mib("load", "pss_max"), str(processes), _fmt(throughput(levels.get(top)))])
-    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+        idle, load = doc.get("idle") or {}, doc.get("load") or {}
+        processes = (load or idle).get("processes_max", "-")
+        rows.append([name, _mib(idle.get("rss_median")), _mib(idle.get("pss_median")), _mib(load.get("rss_max")),
+                     _mib(load.get("pss_max")), str(processes), _fmt(throughput(levels.get(top)))])
+    return _markdown(rows)
+
+
+def _mib(value: Any) -> str:
+    value = _number(value)
+    return "-" if value is None else f"{value / 2**20:.0f}"
 
 
 def collect(paths: list[Path]) -> dict[str, dict[int, dict[str, Any]]]:

@@ -92,22 +92,9 @@ def hf_config(shape: Shape, bos: int, eos: int):
     import torch
     from transformers import LlamaConfig, Qwen2Config
 
-    common = dict(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        max_position_embeddings=shape.max_position_embeddings,
-        rms_norm_eps=shape.rms_norm_eps,
-        rope_theta=shape.rope_theta,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        hidden_act="silu",
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-    )
+    # Shape's fields are named as the configs name them; head_dim only Llama's takes.
+    dims = {k: v for k, v in dataclasses.asdict(shape).items() if k not in ("architecture", "head_dim")}
+    common = dict(dims, hidden_act="silu", bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
     if shape.architecture == "qwen2":
         if shape.head_dim * shape.num_attention_heads != shape.hidden_size:
             raise ValueError("qwen2 derives head_dim from hidden_size / num_attention_heads")
