@@ -11,7 +11,7 @@ from playwright.sync_api import Page, expect
 
 from tests.e2e.conftest import ServerProcess
 
-from .conftest import WAIT_S, metric, wait_for
+from .conftest import ARTIFACTS, WAIT_S, metric, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.model]
 
@@ -207,20 +207,22 @@ def test_the_page_works_at_phone_width(browser, server: ServerProcess, request):
         assert page.evaluate("document.documentElement.scrollWidth") <= 390
         expect(page.get_by_label("Message")).to_be_visible()
     finally:
-        from .conftest import ARTIFACTS
-
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), timeout=TIMEOUT_MS)
         context.close()
 
 
-def test_dark_and_light_follow_the_system(browser, server: ServerProcess):
+def test_dark_and_light_follow_the_system(browser, server: ServerProcess, request):
+    ARTIFACTS.mkdir(exist_ok=True)
     colours = {}
     for scheme in ("light", "dark"):
         context = browser.new_context(color_scheme=scheme)
         page = context.new_page()
-        page.goto(server.url + "/")
-        colours[scheme] = page.evaluate("getComputedStyle(document.body).backgroundColor")
-        context.close()
+        try:
+            page.goto(server.url + "/")
+            colours[scheme] = page.evaluate("getComputedStyle(document.body).backgroundColor")
+        finally:
+            page.screenshot(path=str(ARTIFACTS / f"{request.node.name}_{scheme}.png"), timeout=TIMEOUT_MS)
+            context.close()
     assert colours["light"] == "rgb(255, 255, 255)"
     assert colours["dark"] != colours["light"]
