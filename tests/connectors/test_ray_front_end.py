@@ -11,6 +11,7 @@ each replica and their sum.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -25,6 +26,7 @@ from servelm.connectors.base import ModelCard
 from servelm.connectors.ray import RayConnector
 from servelm.engine.outputs import CompletionOutput, RequestOutput
 from servelm.settings import Settings
+from tests.api.test_error_table import documented_rows
 
 MODEL = "fake-chat"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -41,19 +43,33 @@ def snapshot(replica: str, *, running: int = 0, waiting: int = 0, kv: float = 0.
     }
 
 
-class FakeStream:
-    """What ``handle.options(stream=True).generate.remote`` returns: replica items, then the end."""
+# What a replica whose engine loop died sends (LocalConnector's engine_dead error, as data).
+ENGINE_DEAD = {"error": {"message": "The engine is down.", "status": 503, "type": "service_unavailable_error",
+                         "code": "engine_dead", "param": None}}
 
-    def __init__(self, request: dict[str, Any]):
+
+class FakeStream:
+    """What ``handle.options(stream=True).generate.remote`` returns: replica items, then the end.
+
+    A dying replica sends one token, then dies (its engine's ``engine_dead``).
+    """
+
+    def __init__(self, request: dict[str, Any], dying: bool):
         self.request = request
+        self.dying = dying
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._items()
 
     async def _items(self) -> AsyncIterator[Any]:
+        rid = self.request["request_id"]
+        if self.dying:
+            out = CompletionOutput(index=0, text="a", token_ids=[7])
+            yield [RequestOutput(rid, None, [1, 2, 3], [out], delta=True, num_generated_tokens=1)]
+            yield ENGINE_DEAD
+            return
         out = CompletionOutput(index=0, text="ok", token_ids=[7, 8], finish_reason="length")
-        yield [RequestOutput(self.request["request_id"], None, [1, 2, 3], [out], finished=True, delta=True,
-                             num_generated_tokens=2)]
+        yield [RequestOutput(rid, None, [1, 2, 3], [out], finished=True, delta=True, num_generated_tokens=2)]
 
     def cancel(self) -> None:
         pass
@@ -64,6 +80,7 @@ class FakeHandle:
 
     def __init__(self) -> None:
         self.generated: list[dict[str, Any]] = []
+        self.dying = False  # every replica dies one token into each stream
         self.call = SimpleNamespace(remote=self._call)
         self.generate = SimpleNamespace(remote=self._generate)
 
@@ -81,7 +98,7 @@ class FakeHandle:
 
     def _generate(self, request: dict[str, Any]) -> FakeStream:
         self.generated.append(request)
-        return FakeStream(request)
+        return FakeStream(request, self.dying)
 
 
 @pytest.fixture
@@ -180,3 +197,30 @@ async def test_replicas_and_metrics_show_each_replica_and_the_sum(deployment):
     assert m[(running, (("model_name", MODEL),))] == 4  # the deployment's sum has no replica label
     assert m[("servelm:prefix_cache_hits_total", (("model_name", MODEL),))] == 8
     assert m[("servelm:kv_cache_usage_perc", (("model_name", MODEL),))] == pytest.approx(0.375)  # the mean
+
+
+async def test_a_request_whose_replicas_keep_dying_gets_the_documented_503(deployment):
+    connector, board, handle = deployment
+    handle.dying = True
+    board[:] = [snapshot("a"), snapshot("b")]
+    async with client(connector) as c:
+        await connector.refresh_stats()
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        error = r.json()["error"]
+        assert (r.status_code, error["type"], error["code"]) == (503, "service_unavailable_error", "replica_failed")
+        assert len(handle.generated) == 4  # the first replica, then 3 migrations
+        # Each migration resumes from the tokens the client already has.
+        assert [g["prompt"] for g in handle.generated] == [[1, 2, 3], [1, 2, 3, 7], [1, 2, 3, 7, 7], [1, 2, 3, 7, 7, 7]]
+        assert any(503 in st and "service_unavailable_error" in ty and "replica_failed" in co
+                   for st, ty, co in documented_rows()), "docs/API.md's error table lacks replica_failed"
+
+        # Streamed: the text so far, then the error as an event, then [DONE].
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "stream": True})
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["error"]["code"] == "replica_failed"
+        text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                       for e in events[:-2] if json.loads(e).get("choices"))
+        assert text == "aaaa"  # one token from each replica, none lost or repeated
