@@ -145,7 +145,7 @@ async def test_health_is_200_while_one_replica_serves_and_503_when_none_does(dep
         board[:] = [snapshot("a", age_s=60), snapshot("b", state="DEAD")]
         await connector.refresh_stats()
         r = await c.get("/health")
-        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
         r = await c.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 503 and r.headers["retry-after"]
         states = {d["replica"]: d["state"] for d in (await c.get("/v1/replicas")).json()["data"]}
