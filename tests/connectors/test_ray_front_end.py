@@ -5,8 +5,9 @@ push to (``ray_stats.py``); here the board is a list the test edits, and the
 deployment handle is an in-memory stand-in that answers the model list and
 streams a short reply. What is checked is the front end's view of a
 deployment: /health is 503 once no replica serves, ``--max-waiting`` counts
-the requests waiting on every replica, and /v1/replicas and /metrics show
-each replica and their sum.
+the requests waiting on every replica, /v1/replicas and /metrics show each
+replica and their sum, and a request whose replicas keep dying is resumed
+three times, then gets docs/API.md's 503 ``replica_failed``.
 """
 
 from __future__ import annotations
