@@ -2,9 +2,9 @@
 
 ``EngineReplica.generate`` is what Serve streams back to the front end. Its
 engine is replaced by a scripted stream the test feeds, so what is checked
-is only the chunking: an output is sent as soon as it is ready, outputs that
-pile up while the previous item is in flight go together as one item, the
-prompt's token ids travel once, a request's error travels as data, and
+is only the chunking: the first output is sent as soon as it is ready, later
+outputs within the flush interval of the last item go together as one item
+(the request's end flushes at once), the prompt's token ids travel once, a request's error travels as data, and
 closing the stream (the client left) closes the engine's stream (which
 aborts the request).
 """
@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from servelm.connectors.base import ConnectorError
-from servelm.connectors.ray_replica import EngineReplica
+from servelm.connectors.ray_replica import FLUSH_INTERVAL_S, EngineReplica
 from servelm.engine.outputs import CompletionOutput, RequestOutput
 from servelm.engine.sampling_params import SamplingParams
 
@@ -48,9 +48,10 @@ class ScriptedEngine:
         """Called when the replica is collected; nothing to stop here."""
 
 
-def replica_with(engine: ScriptedEngine) -> EngineReplica:
+def replica_with(engine: ScriptedEngine, flush_interval_s: float = FLUSH_INTERVAL_S) -> EngineReplica:
     replica = EngineReplica.__new__(EngineReplica)  # no model load: only the streaming is under test
     replica.connector = engine  # type: ignore[assignment]
+    replica.flush_interval_s = flush_interval_s
     return replica
 
 
@@ -80,6 +81,33 @@ async def test_outputs_that_pile_up_go_as_one_item_and_the_prompt_travels_once()
     engine.source.put_nowait(None)
     assert [ids(item) async for item in stream] == [[5]]
     assert engine.closed.is_set()
+
+
+async def test_outputs_within_the_interval_are_held_and_the_end_flushes_them():
+    engine = ScriptedEngine()
+    stream = replica_with(engine, flush_interval_s=3600.0).generate(request())
+    engine.source.put_nowait(output(1))
+    assert ids(await anext(stream)) == [1]  # the first output is never held
+    pending = asyncio.ensure_future(anext(stream))
+    engine.source.put_nowait(output(2))
+    engine.source.put_nowait(output(3))
+    for _ in range(20):  # let the replica take both outputs in
+        await asyncio.sleep(0)
+    assert not pending.done()  # held: the interval since the last item has not passed
+    engine.source.put_nowait(output(4, finished=True))
+    assert ids(await pending) == [2, 3, 4]  # the request's end sends everything held at once
+    engine.source.put_nowait(None)
+    assert [item async for item in stream] == []
+
+
+async def test_a_held_output_goes_when_the_interval_passes_without_more():
+    engine = ScriptedEngine()
+    stream = replica_with(engine, flush_interval_s=0.01).generate(request())
+    engine.source.put_nowait(output(1))
+    await anext(stream)
+    engine.source.put_nowait(output(2))
+    assert ids(await anext(stream)) == [2]  # nothing else came: the interval's end sends it alone
+    await stream.aclose()
 
 
 async def test_a_request_error_is_sent_as_data_after_the_outputs_before_it():
