@@ -12,11 +12,13 @@ that have not been opened for a month.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -78,7 +80,7 @@ def _torch_dirs() -> tuple[Path, Path]:
 
 def build(c: str, cxx: str) -> Path:
     """Compile the kernels unless this machine's build is cached; returns the library's path."""
-    versions = [_run([compiler, "--version"]) for compiler in (c, cxx)]
+    versions = [subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout for cc in (c, cxx)]
     key = hashlib.sha256()
     for part in (
         *(source.read_bytes() for source in _C_SOURCES + _CXX_SOURCES + _HEADERS),
@@ -101,38 +103,33 @@ def build(c: str, cxx: str) -> Path:
         ]
         _run_all(compiles)
         lib = Path(tmp) / "servelm_kernels.so"
-        _run(
-            [
-                cxx,
-                *map(str, objects.values()),
-                "-o",
-                str(lib),
-                *_LINK_FLAGS,
-                f"-L{lib_dir}",
-                *_TORCH_LIBS,
-                f"-Wl,-rpath,{lib_dir}",
-            ]
-        )
+        link = [cxx, *map(str, objects.values()), "-o", str(lib), *_LINK_FLAGS, f"-L{lib_dir}", *_TORCH_LIBS]
+        _run_all([[*link, f"-Wl,-rpath,{lib_dir}"]])
         os.replace(lib, target)  # atomic: a concurrent process sees no half-written file
     logger.info("compiled servelm's CPU kernels into %s", target)
     _prune(target)
     return target
 
 
-def _run(cmd: list[str]) -> str:
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise BuildError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
-    return done.stdout
-
-
 def _run_all(commands: list[list[str]]) -> None:
-    """Run the compiles side by side (each C++ file spends seconds in torch's headers); BuildError on a failure."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in commands]
-    errors = [proc.communicate()[1] for proc in procs]
-    for cmd, proc, stderr in zip(commands, procs, errors):
-        if proc.returncode != 0:
-            raise BuildError(f"{' '.join(cmd)} failed: {stderr.strip()[-500:]}")
+    """Run the commands side by side (each C++ compile spends seconds in torch's headers); BuildError naming
+    the first that failed, with the end of its error output."""
+    # Each in its own process group: a compiler driver's own children (cc1plus) go with it when killed.
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for cmd in commands
+    ]
+    try:
+        for cmd, proc in zip(commands, procs):
+            stderr = proc.communicate()[1]
+            if proc.returncode != 0:
+                raise BuildError(f"{' '.join(cmd)} failed: {stderr.strip()[-500:]}")
+    finally:  # after a failure, the compiles still running are of no use
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):  # it may end between the poll and the kill
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
 
 
 def _prune(keep: Path) -> None:

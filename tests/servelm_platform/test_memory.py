@@ -1,4 +1,7 @@
-"""glibc's malloc keeps freed activation memory for the next step; huge-page tensors."""
+"""servelm.platform.memory: glibc's malloc keeps freed activation memory for the next step; huge-page tensors.
+
+(This folder is not named tests/platform: pytest would import it as the standard library's ``platform``.)
+"""
 
 from __future__ import annotations
 
