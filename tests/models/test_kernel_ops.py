@@ -123,6 +123,14 @@ def test_out_of_range_indices_are_refused_before_the_kernel_writes(native):
     assert not out.any()
 
 
+def test_a_tensor_off_the_cpu_never_reaches_c(native):
+    x = torch.zeros(2, 8)
+    with pytest.raises((NotImplementedError, ValueError)):  # the dispatcher finds no kernel, or the op refuses
+        native.silu_mul(x.to("meta"))
+    with pytest.raises((NotImplementedError, ValueError)):
+        native.rms_norm(x, torch.ones(8, device="meta"), 1e-5)
+
+
 def test_the_small_gemm_refuses_widths_its_layout_cannot_hold(native):
     x = torch.zeros(2, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="agreeing shapes"):
