@@ -10,11 +10,14 @@ import logging
 import time
 from dataclasses import dataclass
 from itertools import count
+from typing import TYPE_CHECKING
 
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.config import EngineConfig
 from servelm.engine.context_limit import context_length_error
 from servelm.engine.detokenizer import IncrementalDetokenizer
+from servelm.engine.grammar_compiler import GrammarCompiler
+from servelm.engine.grammar_matcher import GrammarMatcher
 from servelm.engine.model_runner import ModelRunner, StepResult
 from servelm.engine.outputs import CompletionOutput, EngineStats, PositionLogprobs, RequestOutput, TokenLogprob
 from servelm.engine.sampler import SamplingState, make_generator
@@ -22,6 +25,9 @@ from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import Sequence
 from servelm.engine.vocabulary import vocabulary_error
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +95,10 @@ class LLMEngine:
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
+        # Structured outputs: compiles (and caches) each request's grammar; thread-safe.
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.runner.model_config.vocab_size, self.tokenizer.eos_token_ids
+        )
         self.requests: dict[str, _Request] = {}
         self._seqs: dict[int, _SeqState] = {}
         self._seq_ids = count()
@@ -143,12 +153,21 @@ class LLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
-        """Queue a request; its ``best_of`` sequences start at the next step."""
+        """Queue a request; its ``best_of`` sequences start at the next step.
+
+        ``grammar`` is ``params.structured_outputs`` compiled by
+        ``self.grammars`` (the async engine compiles it in a worker thread
+        first); when it is None for a constrained request it is compiled
+        here, blocking.
+        """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if prompt_token_ids is None:
             prompt_token_ids = self.prepare_prompt(prompt, params)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         max_tokens = self._max_tokens(len(prompt_token_ids), params)
         req = _Request(
@@ -162,6 +181,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(prompt_token_ids)
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        # A grammar ends on EOS even under ignore_eos: nothing else may follow its end.
+        grammar_stops = set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids)
         for index in range(params.best_of):
             seq = Sequence(
                 seq_id=next(self._seq_ids),
@@ -183,6 +204,7 @@ class LLMEngine:
                 output_token_ids=output.token_ids,
                 generator=make_generator(seed, self.runner.device),
                 eos_token_ids=eos,
+                grammar=None if grammar is None else GrammarMatcher(grammar, grammar_stops),
             )
             detok = IncrementalDetokenizer(self.tokenizer.hf, prompt_token_ids, params)
             state = _SeqState(seq=seq, output=output, detok=detok, sampling=sampling)
@@ -271,9 +293,10 @@ class LLMEngine:
             logger.exception("engine step failed; failing requests %s", ", ".join(ids))
             return self.fail_requests(ids)
         self.scheduler.postprocess(out)
-        # Sequences whose own sampling failed (the runner isolates them): only their requests fail.
-        failed = list(dict.fromkeys(self._seqs[seq_id].seq.request_id for seq_id in result.failed))
         progressed = self._apply(result, scheduled)
+        # Sequences whose own sampling failed (the runner isolates them, _apply adds tokens a
+        # grammar refused): only their requests fail.
+        failed = list(dict.fromkeys(self._seqs[seq_id].seq.request_id for seq_id in result.failed))
         outputs = self.fail_requests(failed)
         progressed = [rid for rid in progressed if rid in self.requests]
         for rid in progressed:
@@ -301,12 +324,20 @@ class LLMEngine:
                 req.num_cached_tokens = max(req.num_cached_tokens, s.seq.num_cached_tokens)
         for seq_id, sampled in result.sampled.items():
             state = self._seqs[seq_id]
-            self._append_token(state, sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            if not self._append_token(state, sampled.token_id, sampled.logprob, sampled.top_logprobs):
+                result.failed.append(seq_id)
+                continue
             progressed[state.seq.request_id] = None
         return list(progressed)
 
-    def _append_token(self, state: _SeqState, token_id: int, logprob: float, top) -> None:
+    def _append_token(self, state: _SeqState, token_id: int, logprob: float, top) -> bool:
+        """Add a sampled token and finish the sequence where it stops; False if its grammar refuses it."""
         seq, out, params = state.seq, state.output, state.sampling.params
+        grammar = state.sampling.grammar
+        if grammar is not None and not grammar.accept(token_id):
+            # The sampler only picks allowed tokens; this takes NaN logits on every one of them.
+            logger.error("request %s: sampled token %d, which its grammar does not allow", seq.request_id, token_id)
+            return False
         seq.append_token(token_id)
         out.token_ids.append(token_id)
         out.cumulative_logprob += logprob
@@ -321,8 +352,11 @@ class LLMEngine:
             out.text += text
             if stop is not None:
                 self._finish(state, "stop", stop, flush=False)
+        if not out.finished and grammar is not None and grammar.is_terminated:
+            self._finish(state, "stop", None)  # a stop token ended the grammar, and ignore_eos kept going
         if not out.finished and (seq.num_generated_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             self._finish(state, "length", None)
+        return True
 
     def _finish(self, state: _SeqState, reason: str, stop_reason, flush: bool = True) -> None:
         if flush:
