@@ -27,7 +27,7 @@ from servelm.api.errors import (
 from servelm.api.lifecycle import Lifecycle
 from servelm.api.metrics import Metrics
 from servelm.api.protocol import ChatMessage, SamplingFields
-from servelm.connectors.base import Connector, ConnectorError, ModelCard, ModelNotFound
+from servelm.connectors.base import Connector, ModelCard, ModelNotFound
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
 from servelm.engine.structured_outputs import StructuredOutputsParams
 
@@ -143,7 +143,7 @@ class OpenAIServing:
                 chat_template=self.ctx.chat_template,
                 **kwargs,
             )
-        except (APIError, ConnectorError):
+        except APIError:
             raise
         except Exception as exc:
             # A template raising (roles not alternating, a missing variable) is
