@@ -7,9 +7,12 @@ byte-level vocabulary with special tokens and padding past its end.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from servelm.engine.grammar_compiler import GrammarCompiler, clean_error
 from servelm.engine.grammar_matcher import GrammarMatcher, mask_logits
@@ -179,3 +182,15 @@ def test_clean_error_keeps_the_message_only():
     assert clean_error(exc) == "Regex parsing error at position 5: bad."
     check = RuntimeError("[14:47:41] /x/json_schema_converter.cc:4939: Check failed: (error.empty()) is false: Oops")
     assert clean_error(check) == "Oops"
+
+
+REGEX = "(ab|a)*c?[0-9]{0,2}"
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(text=st.text(alphabet="abc01", max_size=8))
+def test_the_matcher_agrees_with_python_s_regex_engine(compiler, hf, text):
+    # A text is a full match exactly when the matcher takes all of its tokens and then allows EOS.
+    m = matcher(compiler, regex=REGEX)
+    full = feed(m, hf, text) and EOS in allowed(m)
+    assert full == bool(re.fullmatch(REGEX, text))
