@@ -7,7 +7,6 @@ schemas, ``re.fullmatch`` for regexes.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
@@ -15,8 +14,6 @@ import jsonschema
 import pytest
 
 from servelm import LLM, SamplingParams
-from servelm.engine.async_engine import AsyncLLMEngine
-from servelm.engine.outputs import accumulate
 from servelm.engine.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
 pytestmark = pytest.mark.model
@@ -163,13 +160,14 @@ def test_prefix_cache_hit_gives_the_same_constrained_output(llm):
 
 def test_a_preempted_constrained_sequence_still_validates():
     roomy = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=256 << 20)
-    prompt = chat_ids(roomy, ASK)
-    params = [person_params(temperature=0.0, max_tokens=120, seed=i) for i in range(6)]
-    expected = [o.outputs[0].text for o in roomy.generate([prompt] * 6, params)]
+    names = ["Ada", "Bo", "Cy", "Di", "Ed", "Flo"]
+    prompts = [chat_ids(roomy, [{"role": "user", "content": f"Describe {name} as JSON."}]) for name in names]
+    params = person_params(temperature=0.0, max_tokens=120)
+    expected = [o.outputs[0].text for o in roomy.generate(prompts, params)]
     # Room for about two of these at once: the others wait or are preempted and recomputed.
     tight = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=roomy.engine.runner.block_bytes * 24,
                 enable_prefix_caching=False)
-    got = [o.outputs[0].text for o in tight.generate([prompt] * 6, params)]
+    got = [o.outputs[0].text for o in tight.generate(prompts, params)]
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == expected  # a recompute does not feed the matcher again
     for text in got:
@@ -181,55 +179,3 @@ def test_a_bad_spec_fails_before_the_request_is_queued(llm):
         llm.generate(["x"], SamplingParams(structured_outputs=constrained(regex="[unclosed")))
     assert info.value.param == "structured_outputs.regex"
     assert not llm.engine.has_unfinished_requests()
-
-
-# -- the async engine: compiling happens off its loop -----------------------------
-
-
-@pytest.fixture
-def async_engine(llm):
-    engine = AsyncLLMEngine(llm.engine)
-    engine.start()
-    yield engine
-    engine.shutdown()
-
-
-async def _run(engine, rid, prompt, params):
-    total = None
-    async for out in engine.generate(rid, prompt, params):
-        total = accumulate(total, out)
-    return total
-
-
-async def test_a_compiling_grammar_does_not_hold_up_other_requests(async_engine, monkeypatch):
-    grammars = async_engine.engine.grammars
-    compiling, release = asyncio.Event(), asyncio.Event()
-    loop = asyncio.get_running_loop()
-    real_compile = grammars.compile
-
-    def held_compile(spec):
-        loop.call_soon_threadsafe(compiling.set)
-        asyncio.run_coroutine_threadsafe(release.wait(), loop).result(120)
-        return real_compile(spec)
-
-    monkeypatch.setattr(grammars, "compile", held_compile)
-    schema = {**PERSON, "description": "a schema no other test compiled"}
-    params = person_params(structured_outputs=constrained(json=schema), seed=4)
-    constrained_task = asyncio.create_task(_run(async_engine, "held", chat_ids(async_engine.engine, ASK), params))
-    await compiling.wait()
-    # The grammar is still compiling; an unconstrained request runs to its end meanwhile.
-    free = await _run(async_engine, "free", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=8))
-    assert free.finished and len(free.outputs[0].token_ids) == 8
-    assert not constrained_task.done()
-    release.set()
-    held = await constrained_task
-    assert_person(held.outputs[0].text)
-
-
-async def test_compile_errors_raise_before_the_first_output(async_engine):
-    params = SamplingParams(structured_outputs=constrained(grammar="root ::= undefined_rule"))
-    with pytest.raises(StructuredOutputsError) as info:
-        await _run(async_engine, "bad-grammar", "x", params)
-    assert info.value.param == "structured_outputs.grammar"
-    ok = await _run(async_engine, "after", "x", SamplingParams(max_tokens=2, structured_outputs=constrained(regex="ab")))
-    assert ok.outputs[0].text == "ab"
