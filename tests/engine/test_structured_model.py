@@ -77,9 +77,9 @@ def test_regex_and_choice_hold(llm):
 
 def test_json_object_and_ebnf_grammar(llm):
     prompt = chat_ids(llm, [{"role": "user", "content": "Reply with a small JSON object about cats."}])
-    for out in llm.generate([prompt] * 2, SamplingParams(temperature=0.7, max_tokens=120, seed=3,
-                                                         structured_outputs=constrained(json_object=True))):
-        assert isinstance(json.loads(out.outputs[0].text), dict)
+    params = SamplingParams(n=2, temperature=0.7, max_tokens=120, seed=3, structured_outputs=constrained(json_object=True))
+    for choice in llm.generate([prompt], params)[0].outputs:
+        assert isinstance(json.loads(choice.text), dict), choice.text
     grammar = 'root ::= "The answer is " ("yes" | "no") "."'
     out = llm.generate([prompt], SamplingParams(temperature=0.7, max_tokens=20,
                                                 structured_outputs=constrained(grammar=grammar)))[0]
