@@ -66,12 +66,13 @@ def test_json_object_parses(client):
 
 def test_regex_and_choice_hold(client):
     messages = [{"role": "user", "content": "What is the capital of France, and its postcode?"}]
+    regex = r"[A-Z][a-z]{2,9}, \d{5}"  # bounded: the model cannot spell on until max_tokens
     for seed in range(3):
         reply = client.chat.completions.create(
-            model=CHAT_MODEL, messages=messages, temperature=0.7, seed=seed, max_completion_tokens=20,
-            extra_body={"structured_outputs": {"regex": r"[A-Z][a-z]+, \d{5}"}},
+            model=CHAT_MODEL, messages=messages, temperature=0.7, seed=seed, max_completion_tokens=30,
+            extra_body={"structured_outputs": {"regex": regex}},
         )
-        assert re.fullmatch(r"[A-Z][a-z]+, \d{5}", reply.choices[0].message.content)
+        assert re.fullmatch(regex, reply.choices[0].message.content) and reply.choices[0].finish_reason == "stop"
         choices = ["Paris", "Lyon", "Marseille"]
         reply = client.completions.create(
             model=CHAT_MODEL, prompt="The capital of France is", temperature=0.7, seed=seed, max_tokens=10,
