@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servelm.engine.grammar_matcher import TokenBitmaskFiller, mask_logits
+from servelm.engine.grammar_matcher import GrammarMatcher, mask_logits
 from servelm.engine.sampling_params import SamplingParams
 
 # How many of the most likely tokens top-p looks at before sorting a whole row.
@@ -46,7 +46,7 @@ class SamplingState:
     num_prompt_tokens: int
     generator: torch.Generator | None
     eos_token_ids: set[int]  # banned, with params.stop_token_ids, while fewer than min_tokens were generated
-    grammar: TokenBitmaskFiller | None = None  # structured outputs: the tokens its grammar allows next
+    grammar: GrammarMatcher | None = None  # structured outputs: the tokens its grammar allows next
 
     @property
     def prompt_token_ids(self) -> list[int]:

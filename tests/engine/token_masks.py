@@ -1,4 +1,9 @@
-"""A grammar stand-in for sampler tests: a fixed set of allowed tokens, written as a bitmask row."""
+"""A grammar stand-in for sampler tests: a fixed set of allowed tokens, written as a bitmask row.
+
+The sampler reads a grammar only through ``fill_bitmask``
+(:class:`servelm.engine.grammar_matcher.TokenBitmaskFiller`), so any set of
+allowed tokens, even none, can be tried without compiling a grammar.
+"""
 
 from __future__ import annotations
 
