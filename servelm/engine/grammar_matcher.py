@@ -5,8 +5,10 @@ grammar. The engine advances it with every token the sequence accepts
 (never again on a recompute after preemption: the matcher's state is the
 output's, not the KV cache's). Each step the sampler asks
 :func:`mask_logits` to fill one bitmask row per constrained sequence and
-apply them to the batch's logits at once, with xgrammar's kernel; rows
-without a grammar cost nothing.
+apply them to the batch's logits at once, with xgrammar's kernel. Rows
+without a grammar are neither filled nor masked; the one cost they share is
+a copy of the batch's logits (the raw ones stay for logprobs), and a batch
+without any constrained row skips even that.
 """
 
 from __future__ import annotations

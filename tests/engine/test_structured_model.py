@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from servelm import LLM, SamplingParams
+from servelm.engine.outputs import accumulate
 from servelm.engine.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
 pytestmark = pytest.mark.model
@@ -173,3 +174,28 @@ def test_a_bad_spec_fails_before_the_request_is_queued(llm):
         llm.generate(["x"], SamplingParams(structured_outputs=constrained(regex="[unclosed")))
     assert info.value.param == "structured_outputs.regex"
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_token_the_grammar_refuses_fails_its_request_alone(llm, monkeypatch):
+    # The sampler never picks a refused token (it would take NaN logits): force one, as such a bug would.
+    engine = llm.engine
+    real_sampler = engine.runner.sampler
+
+    def forcing(logits, states):
+        out = real_sampler(logits, states)
+        for i, state in enumerate(states):
+            if state.grammar is not None:
+                out.token_ids[i] = 0  # <|endoftext|>: a special token, which no grammar allows
+        return out
+
+    monkeypatch.setattr(engine.runner, "sampler", forcing)
+    prompt = llm.tokenizer.encode("Name a colour:")
+    engine.add_request("forced", prompt, SamplingParams(max_tokens=8, structured_outputs=constrained(regex="[a-z]+")))
+    engine.add_request("free", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = accumulate(results.get(out.request_id), out)
+    assert results["forced"].error and results["forced"].finished
+    assert results["free"].error is None and len(results["free"].outputs[0].token_ids) == 4
+
