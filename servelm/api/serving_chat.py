@@ -25,6 +25,7 @@ from servelm.api.protocol import (
 )
 from servelm.api.serving_base import check_supported, sampling_params
 from servelm.api.serving_generation import GenerationServing
+from servelm.api.structured import structured_request
 
 
 @dataclass
@@ -91,6 +92,7 @@ class ServingChat(GenerationServing):
         check_supported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true.", status=400, param="top_logprobs")
+        structured = structured_request(req)
         card = await self.model_card(req.model, "generate")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(
@@ -101,6 +103,7 @@ class ServingChat(GenerationServing):
                 "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                 "logprobs": "top_logprobs",
             },
+            structured_outputs=structured.params,
         )
         text = await self.render_chat(card.id, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         # The rendered template already holds the model's special tokens.
@@ -111,7 +114,8 @@ class ServingChat(GenerationServing):
 
         request_id = f"chatcmpl-{response_id(raw_request, self.ctx.new_id)}"
         run = GenerationRun(
-            self.connector, card.id, request_id, [prompt_ids], params, self.ctx.metrics, max_model_len=card.max_model_len
+            self.connector, card.id, request_id, [prompt_ids], params, self.ctx.metrics, max_model_len=card.max_model_len,
+            param_names=structured.param_names,
         )
         stream = bool(req.stream)
         formatter = ChatFormatter(

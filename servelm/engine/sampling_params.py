@@ -8,6 +8,9 @@ import numbers
 import struct
 from dataclasses import dataclass, field
 
+from servelm.engine.params_error import SamplingParamsError
+from servelm.engine.structured_outputs import StructuredOutputsParams
+
 # The sampler computes in float32: a parameter must survive that conversion.
 # Below the smallest normal float32 a divisor or a threshold turns into 0 or a
 # subnormal whose reciprocal overflows; above the largest it is infinity.
@@ -35,14 +38,6 @@ def _json(value: object) -> str:
         return json.dumps(value, default=str)
     except (TypeError, ValueError):
         return json.dumps(str(value))
-
-
-class SamplingParamsError(ValueError):
-    """An invalid sampling parameter. ``param`` names the offending field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -74,6 +69,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # likewise for prompt tokens (echo)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -144,6 +140,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise :class:`SamplingParamsError` for a token id outside ``[0, vocab_size)``.

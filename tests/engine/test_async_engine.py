@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import pytest
 
 from servelm import SamplingParams
 from servelm.engine.async_engine import AsyncLLMEngine
 from servelm.engine.outputs import accumulate
+from servelm.engine.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
 pytestmark = pytest.mark.model
 
@@ -129,3 +131,39 @@ async def test_a_request_whose_sampling_fails_fails_alone(engine, monkeypatch):
         assert total.error is None and total.outputs[0].finish_reason == "length"
         assert total.outputs[0].token_ids == expected
     assert engine.is_alive
+
+
+async def test_a_compiling_grammar_does_not_hold_up_other_requests(engine, monkeypatch):
+    grammars = engine.engine.grammars
+    compiling, release = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    real_compile = grammars.compile
+
+    def held_compile(spec):
+        loop.call_soon_threadsafe(compiling.set)
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result(120)
+        return real_compile(spec)
+
+    monkeypatch.setattr(grammars, "compile", held_compile)
+    regex = "[a-z]{2,5} compiled while others ran"  # a spec no other test compiled
+    params = SamplingParams(temperature=0.7, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=regex))
+    held = asyncio.create_task(_collect(engine, "held", "Say something:", params))
+    await compiling.wait()
+    # The grammar is still compiling; an unconstrained request runs to its end meanwhile.
+    free, _ = await _collect(engine, "free", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=8,
+                                                                                 ignore_eos=True))
+    assert free.finished and len(free.outputs[0].token_ids) == 8
+    assert not held.done()
+    release.set()
+    total, _ = await held
+    assert re.fullmatch(regex, total.outputs[0].text) and total.outputs[0].finish_reason == "stop"
+
+
+async def test_a_grammar_that_does_not_compile_fails_before_the_first_output(engine):
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= undefined_rule"))
+    with pytest.raises(StructuredOutputsError) as info:
+        await _collect(engine, "bad-grammar", "x", params)
+    assert info.value.param == "structured_outputs.grammar"
+    ok, _ = await _collect(engine, "after", "x", SamplingParams(
+        max_tokens=2, structured_outputs=StructuredOutputsParams(regex="ab")))
+    assert ok.outputs[0].text == "ab"
