@@ -25,6 +25,8 @@ class ToolCallFormat:
     separated by ``separator``, then ``run_close``. ``keep_special_tokens``
     says the markers are special tokens of the family's tokenizers, which
     the detokenizer must keep in the text for the parser to see them.
+    ``call_id_length``: the family's templates accept only tool-call ids of
+    exactly this many letters and digits (Mistral's: 9).
     """
 
     name: str
@@ -36,6 +38,7 @@ class ToolCallFormat:
     call_close: str = ""
     separator: str = "\n"
     keep_special_tokens: bool = False
+    call_id_length: int | None = None
 
     def parser(self) -> ToolCallParser:
         """A fresh parser for one choice's text."""

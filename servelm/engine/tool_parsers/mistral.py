@@ -18,4 +18,5 @@ MISTRAL = ToolCallFormat(
     run_close="]",
     separator=", ",
     keep_special_tokens=True,
+    call_id_length=9,
 )
