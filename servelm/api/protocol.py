@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from servelm.api.request_model import RequestModel, TokenIds, check_token_id_lists
+from servelm.api.tool_protocol import DeltaToolCall, ToolCall, ToolCallParam, ToolChoice, ToolDefinition
 
 def _absent(value: Any) -> bool:
     return value is None or value == [] or value == {}
@@ -93,7 +94,7 @@ class ChatMessage(RequestModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = Field(None, description="For role tool: the call this message answers.")
-    tool_calls: list[dict[str, Any]] | None = Field(None, description="For role assistant: passed to the template.")
+    tool_calls: list[ToolCallParam] | None = Field(None, description="For role assistant: the calls it made.")
     refusal: str | None = Field(None, description="For role assistant: rendered as the content when content is null.")
     audio: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
     function_call: dict[str, Any] | None = Field(None, description="Not supported (deprecated); rejected.")
@@ -113,15 +114,18 @@ class ChatCompletionRequest(SamplingFields):
     # accepted, harmless
     metadata: dict[str, str] | None = None
     store: bool | None = Field(None, description="Only false: servelm stores nothing.")
-    parallel_tool_calls: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_options: dict[str, Any] | None = Field(None, description="Accepted; prefix caching is automatic.")
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+    # tool calling (servelm/api/tools.py)
+    tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(
+        None, description='"none", "auto" (the default with tools), "required" or a named function.'
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per choice.")
     # documented by OpenAI, not supported: see UNSUPPORTED
-    tools: list[Any] | None = Field(None, description="Not supported; rejected unless empty.")
-    tool_choice: Any | None = Field(None, description='Not supported; only "none" is accepted.')
     functions: list[Any] | None = Field(None, description="Not supported; rejected unless empty.")
     function_call: Any | None = Field(None, description='Not supported; only "none" is accepted.')
     response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
@@ -134,8 +138,6 @@ class ChatCompletionRequest(SamplingFields):
     moderation: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
-        "tools": _absent,
-        "tool_choice": lambda v: v == "none",
         "functions": _absent,
         "function_call": lambda v: v == "none",
         "response_format": lambda v: v.get("type") == "text",
@@ -177,6 +179,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -220,6 +223,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -8,6 +8,8 @@ import numbers
 import struct
 from dataclasses import dataclass, field
 
+from servelm.engine.tool_parsers.registry import FORMATS
+
 # The sampler computes in float32: a parameter must survive that conversion.
 # Below the smallest normal float32 a divisor or a threshold turns into 0 or a
 # subnormal whose reciprocal overflows; above the largest it is infinity.
@@ -74,6 +76,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # likewise for prompt tokens (echo)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    # The tool-call format to read the text in (servelm.engine.tool_parsers): each
+    # choice's text is then split into content and tool calls. None: plain text.
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -144,6 +149,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
+        if self.tool_call_parser is not None and self.tool_call_parser not in FORMATS:
+            bad("tool_call_parser", f"must be one of {', '.join(FORMATS)}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise :class:`SamplingParamsError` for a token id outside ``[0, vocab_size)``.
