@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from itertools import count
 
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.config import EngineConfig
 from servelm.engine.context_limit import context_length_error
-from servelm.engine.detokenizer import IncrementalDetokenizer
-from servelm.engine.model_runner import ModelRunner, StepResult
-from servelm.engine.outputs import CompletionOutput, EngineStats, PositionLogprobs, RequestOutput, TokenLogprob
+from servelm.engine.model_runner import ModelRunner
+from servelm.engine.output_processor import OutputProcessor
+from servelm.engine.outputs import EngineStats, RequestOutput
 from servelm.engine.sampler import SamplingState, make_generator
 from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.scheduler import Scheduler
@@ -32,45 +31,6 @@ class PromptTooLongError(ValueError):
 
 class InvalidPromptError(ValueError):
     """A prompt the engine cannot run (empty, token ids outside the vocabulary, larger than the KV cache)."""
-
-
-@dataclass
-class _SeqState:
-    """One choice of a request: its sequence, detokenizer and output so far."""
-
-    seq: Sequence
-    output: CompletionOutput
-    detok: IncrementalDetokenizer
-    sampling: SamplingState
-    # How much of ``output`` has been handed out already (delta mode).
-    sent_tokens: int = 0
-    sent_text: int = 0
-    sent_logprobs: int = 0
-    finish_sent: bool = False
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    choices: list[_SeqState]
-    arrival_time: float
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    prompt_logprobs_sent: bool = False
-    num_cached_tokens: int = 0
-    error: str | None = None
-    first_scheduled_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(c.output.finished for c in self.choices)
-
-    @property
-    def streams(self) -> bool:
-        # best_of > n picks the winners at the end: nothing can be sent before.
-        return self.params.best_of == self.params.n
 
 
 class LLMEngine:
@@ -89,10 +49,13 @@ class LLMEngine:
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.requests: dict[str, _Request] = {}
-        self._seqs: dict[int, _SeqState] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        # The request registry: each request's sequences, each sequence's sampling state,
+        # and the sequence whose prefill reports prompt logprobs (k of them).
+        self._requests: dict[str, list[Sequence]] = {}
+        self._sampling: dict[int, SamplingState] = {}
+        self._prompt_logprobs: dict[int, int] = {}
         self._seq_ids = count()
-        self._token_text: dict[int, str] = {}
 
     # -- admission -----------------------------------------------------
 
@@ -145,61 +108,58 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request; its ``best_of`` sequences start at the next step."""
-        if request_id in self.requests:
+        if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if prompt_token_ids is None:
             prompt_token_ids = self.prepare_prompt(prompt, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         max_tokens = self._max_tokens(len(prompt_token_ids), params)
-        req = _Request(
-            request_id=request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=prompt_token_ids,
-            params=params,
-            choices=[],
-            arrival_time=arrival,
-        )
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None] * len(prompt_token_ids)
-        eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        seqs = []
         for index in range(params.best_of):
             seq = Sequence(
                 seq_id=next(self._seq_ids),
                 request_id=request_id,
-                token_ids=list(prompt_token_ids),
+                token_ids=prompt_token_ids,
                 num_prompt_tokens=len(prompt_token_ids),
                 max_tokens=max_tokens,
                 arrival_time=arrival,
+                stop_token_ids=frozenset(params.stop_token_ids),
+                eos_token_ids=eos,
             )
             if params.prompt_logprobs is not None and index == 0:
                 # Cached prompt blocks are never recomputed, so their logprobs
                 # would be missing: this sequence computes its whole prompt.
                 seq.use_prefix_cache = False
-            output = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
+                self._prompt_logprobs[seq.seq_id] = params.prompt_logprobs
             seed = None if params.seed is None else params.seed + index
-            sampling = SamplingState(
+            self._sampling[seq.seq_id] = SamplingState(
                 params=params,
-                prompt_token_ids=prompt_token_ids,
-                output_token_ids=output.token_ids,
+                token_ids=seq.token_ids,
+                num_prompt_tokens=seq.num_prompt_tokens,
                 generator=make_generator(seed, self.runner.device),
-                eos_token_ids=eos,
+                eos_token_ids=set(eos),
             )
-            detok = IncrementalDetokenizer(self.tokenizer.hf, prompt_token_ids, params)
-            state = _SeqState(seq=seq, output=output, detok=detok, sampling=sampling)
-            req.choices.append(state)
-            self._seqs[seq.seq_id] = state
-        self.requests[request_id] = req
-        for state in req.choices:
-            self.scheduler.add(state.seq)
+            seqs.append(seq)
+        self._requests[request_id] = seqs
+        self.output_processor.add_request(
+            request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, params, seqs, arrival
+        )
+        for seq in seqs:
+            self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request; its KV blocks are freed at once."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        if request_id not in self._requests:
             return
         self.scheduler.abort(request_id)
-        for state in req.choices:
-            self._seqs.pop(state.seq.seq_id, None)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        for seq in self._requests.pop(request_id, ()):
+            self._sampling.pop(seq.seq_id, None)
+            self._prompt_logprobs.pop(seq.seq_id, None)
+        self.output_processor.remove(request_id)
 
     def fail_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         """End requests with an error (e.g. their step raised); returns their final outputs.
@@ -210,19 +170,14 @@ class LLMEngine:
         """
         outputs = []
         for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            req.error = f"see the server log under request id {rid}"
-            for state in req.choices:
-                if not state.output.finished:
-                    state.output.finish_reason = "error"
-            outputs.append(self._make_output(req))
+            out = self.output_processor.fail(rid, f"see the server log under request id {rid}")
+            if out is not None:
+                outputs.append(out)
             self.abort_request(rid)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self._requests)
 
     def stats(self, model: str) -> EngineStats:
         """The engine's gauges and running totals, labelled ``model``.
@@ -248,144 +203,35 @@ class LLMEngine:
     # -- the step ------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return outputs of requests that progressed."""
+        """Schedule, run the model once, and return outputs of requests that progressed.
+
+        The step reads top-down: the scheduler plans it, the runner computes
+        it and samples, the scheduler appends the tokens and ends the
+        sequences that stopped (freeing their blocks), and the output
+        processor turns the tokens into text and delta outputs.
+        """
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        self.output_processor.mark_scheduled(out, time.monotonic())
         scheduled = out.scheduled
-        now = time.monotonic()
-        for s in out.prefills:
-            req = self.requests[s.seq.request_id]
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-        sampling = {s.seq.seq_id: self._seqs[s.seq.seq_id].sampling for s in scheduled if s.is_sampling}
-        want_prompt_logprobs = {}
-        for s in out.prefills:
-            req = self.requests[s.seq.request_id]
-            if req.prompt_logprobs is not None and s.seq is req.choices[0].seq:
-                want_prompt_logprobs[s.seq.seq_id] = req.params.prompt_logprobs
+        sampling = {s.seq.seq_id: self._sampling[s.seq.seq_id] for s in scheduled if s.is_sampling}
+        want_prompt_logprobs = {
+            s.seq.seq_id: self._prompt_logprobs[s.seq.seq_id] for s in out.prefills if s.seq.seq_id in self._prompt_logprobs
+        }
         try:
             result = self.runner.execute(out, sampling, want_prompt_logprobs)
         except Exception:  # a failing step fails its requests, not the engine
             ids = list(dict.fromkeys(s.seq.request_id for s in scheduled))
             logger.exception("engine step failed; failing requests %s", ", ".join(ids))
             return self.fail_requests(ids)
-        self.scheduler.postprocess(out)
+        self.scheduler.update_from_output(out, {seq_id: s.token_id for seq_id, s in result.sampled.items()})
         # Sequences whose own sampling failed (the runner isolates them): only their requests fail.
-        failed = list(dict.fromkeys(self._seqs[seq_id].seq.request_id for seq_id in result.failed))
-        progressed = self._apply(result, scheduled)
+        request_of = {s.seq.seq_id: s.seq.request_id for s in scheduled}
+        failed = list(dict.fromkeys(request_of[seq_id] for seq_id in result.failed))
         outputs = self.fail_requests(failed)
-        progressed = [rid for rid in progressed if rid in self.requests]
-        for rid in progressed:
-            req = self.requests[rid]
-            if req.finished or req.streams:
-                outputs.append(self._make_output(req))
-            if req.finished:
-                del self.requests[rid]
-                for state in req.choices:
-                    self._seqs.pop(state.seq.seq_id, None)
+        for output in self.output_processor.process(result):
+            outputs.append(output)
+            if output.finished:
+                self._forget(output.request_id)
         return outputs
-
-    def _apply(self, result: StepResult, scheduled) -> list[str]:
-        """Record the step's prompt logprobs and sampled tokens; returns the ids of requests that progressed."""
-        progressed: dict[str, None] = {}  # insertion-ordered set
-        for seq_id, positions in result.prompt_logprobs.items():
-            state = self._seqs[seq_id]
-            req = self.requests[state.seq.request_id]
-            for p in positions:
-                token_id = req.prompt_token_ids[p.position]
-                req.prompt_logprobs[p.position] = self._position_logprobs(token_id, p.logprob, p.top_logprobs)
-        for s in scheduled:
-            if s.is_sampling and s.seq.num_generated_tokens == 0:
-                req = self.requests[s.seq.request_id]
-                req.num_cached_tokens = max(req.num_cached_tokens, s.seq.num_cached_tokens)
-        for seq_id, sampled in result.sampled.items():
-            state = self._seqs[seq_id]
-            self._append_token(state, sampled.token_id, sampled.logprob, sampled.top_logprobs)
-            progressed[state.seq.request_id] = None
-        return list(progressed)
-
-    def _append_token(self, state: _SeqState, token_id: int, logprob: float, top) -> None:
-        seq, out, params = state.seq, state.output, state.sampling.params
-        seq.append_token(token_id)
-        out.token_ids.append(token_id)
-        out.cumulative_logprob += logprob
-        if out.logprobs is not None:
-            out.logprobs.append(self._position_logprobs(token_id, logprob, top or []))
-        if token_id in params.stop_token_ids:
-            self._finish(state, "stop", token_id)
-        elif not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
-            self._finish(state, "stop", None)
-        else:
-            text, stop = state.detok.add_token(token_id)
-            out.text += text
-            if stop is not None:
-                self._finish(state, "stop", stop, flush=False)
-        if not out.finished and (seq.num_generated_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
-            self._finish(state, "length", None)
-
-    def _finish(self, state: _SeqState, reason: str, stop_reason, flush: bool = True) -> None:
-        if flush:
-            state.output.text += state.detok.flush()
-        state.output.finish_reason = reason
-        state.output.stop_reason = stop_reason
-        self.scheduler.finish(state.seq)
-
-    # -- outputs -------------------------------------------------------
-
-    def _token_str(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
-        return text
-
-    def _position_logprobs(self, token_id: int, logprob: float, top) -> PositionLogprobs:
-        return PositionLogprobs(
-            chosen=TokenLogprob(token_id, logprob, self._token_str(token_id)),
-            top=[TokenLogprob(t, lp, self._token_str(t)) for t, lp in top],
-        )
-
-    def _make_output(self, req: _Request) -> RequestOutput:
-        """A delta output: what changed since the last one for this request."""
-        choices = req.choices
-        if not req.streams:
-            choices = sorted(choices, key=lambda c: c.output.cumulative_logprob, reverse=True)[: req.params.n]
-        deltas = []
-        for new_index, state in enumerate(choices):
-            out = state.output
-            if state.finish_sent:
-                continue
-            delta = CompletionOutput(
-                index=new_index if not req.streams else out.index,
-                text=out.text[state.sent_text :],
-                token_ids=out.token_ids[state.sent_tokens :],
-                logprobs=out.logprobs[state.sent_logprobs :] if out.logprobs is not None else None,
-                cumulative_logprob=out.cumulative_logprob,
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
-            )
-            if not delta.token_ids and not delta.text and delta.finish_reason is None:
-                continue
-            state.sent_text = len(out.text)
-            state.sent_tokens = len(out.token_ids)
-            state.sent_logprobs = len(out.logprobs) if out.logprobs is not None else 0
-            state.finish_sent = out.finished
-            deltas.append(delta)
-        prompt_logprobs = None
-        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-            prompt_logprobs = req.prompt_logprobs
-            req.prompt_logprobs_sent = True
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=deltas,
-            finished=req.finished or req.error is not None,
-            delta=True,
-            prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=req.num_cached_tokens,
-            num_generated_tokens=sum(len(c.output.token_ids) for c in req.choices),
-            error=req.error,
-            queue_time=None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time,
-        )

@@ -28,17 +28,31 @@ _GREEDY_TEMPERATURE = 1e-5
 class SamplingState:
     """What the sampler needs to know about one sequence (one row of the batch).
 
-    The engine keeps one per sequence for its whole life; ``output_token_ids``
-    grows as tokens are generated. ``generator`` is set for seeded requests
-    so that their draws do not depend on the rest of the batch.
+    The engine keeps one per sequence for its whole life. ``token_ids`` is
+    the sequence's own list (prompt, then the tokens generated so far), not
+    a copy: it grows as the scheduler appends tokens. ``generator`` is set
+    for seeded requests so that their draws do not depend on the rest of
+    the batch.
     """
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]
+    num_prompt_tokens: int
     generator: torch.Generator | None
-    eos_token_ids: set[int]  # banned, with params.stop_token_ids, while len(output) < min_tokens
+    eos_token_ids: set[int]  # banned, with params.stop_token_ids, while fewer than min_tokens were generated
     allowed_token_mask: torch.Tensor | None = None  # bool[vocab]; False bans the token
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -108,7 +122,7 @@ def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -
                 bias_rows.append(i)
                 bias_cols.append(tok)
                 bias_vals.append(val)
-        if len(s.output_token_ids) < p.min_tokens:
+        if s.num_output_tokens < p.min_tokens:
             banned = [t for t in s.eos_token_ids | set(p.stop_token_ids) if 0 <= t < vocab]
             ban_rows += [i] * len(banned)
             ban_cols += banned

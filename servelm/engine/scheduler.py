@@ -19,6 +19,7 @@ preempted for a younger one, which is what guarantees progress.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from servelm.engine.block_manager import BlockManager
@@ -31,8 +32,8 @@ class ScheduledSeq:
     """One sequence's work in a step: ``num_new_tokens`` tokens from ``start``.
 
     ``start`` and ``is_sampling`` are snapshots taken when the step is scheduled,
-    so they stay right after :meth:`Scheduler.postprocess` advances the
-    sequence and the engine appends the sampled token.
+    so they stay right after :meth:`Scheduler.update_from_output` advances
+    the sequence and appends its sampled token.
     """
 
     seq: Sequence
@@ -126,10 +127,12 @@ class Scheduler:
         for seq in aborted:
             self.block_manager.free(seq)  # a waiting sequence holds none: a no-op
             seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = seq.finish_reason or "abort"
         return aborted
 
-    def finish(self, seq: Sequence) -> None:
-        """Retire a sequence that stopped: free its blocks, drop it from the running set."""
+    def finish(self, seq: Sequence, reason: str = "stop", stop_reason: str | int | None = None) -> None:
+        """Retire a sequence that stopped: record why, free its blocks, drop it from the running set."""
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -198,15 +201,30 @@ class Scheduler:
             budget -= n
         return out
 
-    def postprocess(self, out: SchedulerOutput) -> None:
-        """After the model step: advance each scheduled sequence and register its full blocks.
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[int, int]) -> list[Sequence]:
+        """After the model step, in one place: advance, append, finish, free.
 
-        The engine then appends sampled tokens to the sequences whose chunk
-        ``is_sampling``, checks stop conditions and calls :meth:`finish`.
+        Each scheduled sequence's computed tokens advance by its chunk and
+        its full blocks join the prefix cache; a sequence that sampled
+        (``sampled``: seq_id -> token id) gets its token appended, and ends
+        (blocks freed) on a stop token, its end-of-text token or its
+        ``max_tokens``. Returns the sequences that ended here. Stop strings
+        are the output processor's: it finds them in the text and calls
+        :meth:`finish`.
         """
+        finished = []
         for sched in out.scheduled:
             seq = sched.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += sched.num_new_tokens
             self.block_manager.mark_computed(seq)
+            token_id = sampled.get(seq.seq_id)
+            if token_id is None:
+                continue  # mid-prefill, or its sampling failed
+            seq.append_token(token_id)
+            stop = seq.stop_for_token(token_id)
+            if stop is not None:
+                self.finish(seq, *stop)
+                finished.append(seq)
+        return finished

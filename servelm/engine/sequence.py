@@ -24,6 +24,13 @@ class Sequence:
     In steady decode the last token (the one just sampled) is the only one
     not yet computed: computing it yields the logits for the next token.
 
+    A sequence ends when it samples one of ``stop_token_ids`` (the client's
+    ``stop_token_ids``; ``stop_reason`` names the token), one of
+    ``eos_token_ids`` (the model's end of text, empty with ``ignore_eos``) or
+    its ``max_tokens``th token (``finish_reason`` "length"): the scheduler
+    checks these as it appends each token. Stop strings are found later, in
+    the text, by the output processor.
+
     ``eq=False`` keeps identity semantics: two sequences with the same
     tokens are still two sequences (lists of them are searched by identity).
     """
@@ -41,6 +48,10 @@ class Sequence:
     # False makes admission skip the prefix cache lookup, so every prompt
     # position is computed (prompt logprobs need the logits of each one).
     use_prefix_cache: bool = True
+    stop_token_ids: frozenset[int] = frozenset()
+    eos_token_ids: frozenset[int] = frozenset()
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     def __post_init__(self) -> None:
         # A private copy: the engine may build several sequences (n > 1)
@@ -93,3 +104,13 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """Add a sampled token; its K/V are computed by the next step."""
         self.token_ids.append(token_id)
+
+    def stop_for_token(self, token_id: int) -> tuple[str, int | None] | None:
+        """(finish_reason, stop_reason) if appending ``token_id`` ends the sequence, else None."""
+        if token_id in self.stop_token_ids:
+            return "stop", token_id
+        if token_id in self.eos_token_ids:
+            return "stop", None
+        if self.num_generated_tokens >= self.max_tokens:
+            return "length", None
+        return None

@@ -23,7 +23,7 @@ class FragileSampler(Sampler):
 
 
 def _state(params: SamplingParams) -> SamplingState:
-    return SamplingState(params=params, prompt_token_ids=[], output_token_ids=[], generator=None, eos_token_ids=set())
+    return SamplingState(params=params, token_ids=[], num_prompt_tokens=0, generator=None, eos_token_ids=set())
 
 
 def test_only_the_culprit_row_fails(caplog):

@@ -27,8 +27,8 @@ def state(params: SamplingParams | None = None, *, prompt=(), output=(), eos=(),
     params = params or SamplingParams()
     return SamplingState(
         params=params,
-        prompt_token_ids=list(prompt),
-        output_token_ids=list(output),
+        token_ids=list(prompt) + list(output),
+        num_prompt_tokens=len(prompt),
         generator=make_generator(seed, device),
         eos_token_ids=set(eos),
         allowed_token_mask=mask,
@@ -244,7 +244,7 @@ def _seeded_run(seed: int, steps: int, neighbours: int, position: int, device="c
         logits = torch.randn(len(batch), vocab) * 6
         logits[position] = target_logits[0]
         tok = Sampler()(logits.to(device), batch).token_ids[position]
-        target.output_token_ids.append(tok)
+        target.token_ids.append(tok)
         tokens.append(tok)
     return tokens
 

@@ -37,8 +37,8 @@ LOGIT = st.one_of(
 def _state(params: SamplingParams, *, seed: int | None = None, eos=(), mask=None, output=()) -> SamplingState:
     return SamplingState(
         params=params,
-        prompt_token_ids=[1, 2, 3],
-        output_token_ids=list(output),
+        token_ids=[1, 2, 3, *output],
+        num_prompt_tokens=3,
         generator=make_generator(seed, "cpu"),
         eos_token_ids=set(eos),
         allowed_token_mask=mask,

@@ -35,7 +35,7 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class FakeEngine:
-    """Schedules, "runs" and postprocesses steps the way the real engine does."""
+    """Schedules, "runs" and updates steps the way the real engine does."""
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, **config):
         self.config = EngineConfig(enable_prefix_caching=enable_prefix_caching, **config)
@@ -78,14 +78,10 @@ class FakeEngine:
             assert d.num_new_tokens == 1 and d.seq.num_computed_tokens == d.seq.num_tokens - 1
         for sch in scheduled:
             self._run(sch)
-        self.sched.postprocess(out)
-        for sch in scheduled:
-            seq = sch.seq
-            if sch.is_sampling:
-                seq.append_token(next_token(seq.token_ids))
-                if seq.num_generated_tokens == seq.max_tokens:
-                    self.sched.finish(seq)
-                    self.finished[seq.seq_id] = seq.generated_token_ids
+        sampled = {s.seq.seq_id: next_token(s.seq.token_ids) for s in scheduled if s.is_sampling}
+        for seq in self.sched.update_from_output(out, sampled):
+            assert (seq.finish_reason, seq.num_generated_tokens) == ("length", seq.max_tokens)
+            self.finished[seq.seq_id] = seq.generated_token_ids
         self.check()
         return out
 
@@ -128,15 +124,40 @@ def test_sequence_basics():
         Sequence(1, "r", [], 0, max_tokens=1)
 
 
-def test_scheduled_seq_snapshots_survive_postprocess():
+def test_scheduled_seq_snapshots_survive_the_update():
     eng = FakeEngine(num_blocks=8, block_size=4)
     seq = eng.add([1, 2, 3, 4, 5], max_tokens=3)
     out = eng.sched.schedule()
     (sch,) = out.prefills
     assert (sch.start, sch.num_new_tokens, sch.is_sampling) == (0, 5, True)
-    eng.sched.postprocess(out)
-    seq.append_token(7)
+    assert eng.sched.update_from_output(out, {seq.seq_id: 7}) == []
+    assert seq.token_ids == [1, 2, 3, 4, 5, 7] and seq.num_computed_tokens == 5
     assert (sch.start, sch.is_sampling) == (0, True)
+
+
+@pytest.mark.parametrize(
+    ("token", "finish_reason", "stop_reason"),
+    [(50, "stop", 50), (60, "stop", None), (7, None, None)],
+)
+def test_the_update_ends_a_sequence_on_a_stop_token_or_its_eos(token, finish_reason, stop_reason):
+    eng = FakeEngine(num_blocks=8, block_size=4)
+    seq = Sequence(0, "r", [1, 2, 3], 3, max_tokens=5, stop_token_ids=frozenset({50}), eos_token_ids=frozenset({60}))
+    eng.sched.add(seq)
+    out = eng.sched.schedule()
+    finished = eng.sched.update_from_output(out, {seq.seq_id: token})
+    assert (seq.finish_reason, seq.stop_reason) == (finish_reason, stop_reason)
+    assert finished == ([seq] if finish_reason else [])
+    assert seq.is_finished == (finish_reason is not None)
+    assert (eng.bm.num_free_blocks == 8) == seq.is_finished  # an ended sequence holds no block
+    eng.check()
+
+
+def test_the_update_skips_a_sequence_whose_sampling_failed():
+    eng = FakeEngine(num_blocks=8, block_size=4)
+    seq = eng.add([1, 2, 3], max_tokens=1)
+    out = eng.sched.schedule()
+    assert eng.sched.update_from_output(out, {}) == []  # computed, but no token to append
+    assert (seq.num_tokens, seq.num_computed_tokens, seq.finish_reason) == (3, 3, None)
 
 
 # ---- policy -------------------------------------------------------------
@@ -264,13 +285,13 @@ def test_abort_frees_blocks_at_once():
     assert set(eng.finished) == {other.seq_id}
 
 
-def test_postprocess_skips_a_sequence_aborted_during_the_step():
+def test_the_update_skips_a_sequence_aborted_during_the_step():
     eng = FakeEngine(num_blocks=8, block_size=2)
     seq = eng.add([1, 2, 3], max_tokens=2)
     out = eng.sched.schedule()
     eng.sched.abort(seq.request_id)
-    eng.sched.postprocess(out)
-    assert seq.num_computed_tokens == 0
+    assert eng.sched.update_from_output(out, {seq.seq_id: 5}) == []
+    assert (seq.num_computed_tokens, seq.num_tokens, seq.finish_reason) == (0, 3, "abort")
     eng.check()
     assert eng.bm.num_free_blocks == 8
 

@@ -1,0 +1,251 @@
+"""The engine's output side: new tokens into text, stop strings, logprob text and delta outputs.
+
+By the time the output processor sees a step, the scheduler has appended
+each sampled token to its sequence and ended the sequences that met a stop
+token, their end-of-text token or their length. For each new token the
+output processor then
+
+- turns it into text with the sequence's incremental detokenizer, which
+  holds back text that may still become a stop string, and ends the
+  sequence (through the scheduler) when a stop string appears;
+- records its logprobs, with each token's text;
+- and builds each request's delta :class:`RequestOutput`: what changed since
+  the last one. A request with ``best_of > n`` streams nothing: its output
+  waits until every choice ended, then holds the ``n`` best.
+
+The token ids themselves live in the sequences: a delta's ids are a slice of
+its sequence's, never a second copy kept here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from servelm.engine.detokenizer import IncrementalDetokenizer
+from servelm.engine.model_runner import StepResult
+from servelm.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.scheduler import SchedulerOutput
+from servelm.engine.sequence import Sequence
+
+# scheduler.finish: ends a sequence with a reason and frees its KV blocks.
+FinishFn = Callable[[Sequence, str, "str | int | None"], None]
+
+
+@dataclass
+class _Choice:
+    """One choice of a request: its sequence, its text so far and how much of it was sent."""
+
+    seq: Sequence
+    index: int  # among the request's best_of sequences
+    detok: IncrementalDetokenizer
+    logprobs: list[PositionLogprobs] | None
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    # How much has been handed out already (delta outputs).
+    sent_tokens: int = 0
+    sent_text: int = 0
+    sent_logprobs: int = 0
+    finish_sent: bool = False
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choices: list[_Choice]
+    arrival_time: float
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None
+    first_scheduled_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.finish_reason is not None for c in self.choices)
+
+    @property
+    def streams(self) -> bool:
+        # best_of > n picks the winners at the end: nothing can be sent before.
+        return self.params.best_of == self.params.n
+
+
+class OutputProcessor:
+    """Per-request output state, and the delta outputs of each step.
+
+    ``tokenizer`` is the model's :class:`~servelm.models.tokenizer.Tokenizer`;
+    ``finish`` ends a sequence that reached a stop string (the scheduler's
+    :meth:`~servelm.engine.scheduler.Scheduler.finish`).
+    """
+
+    def __init__(self, tokenizer, finish: FinishFn):
+        self._tokenizer = tokenizer
+        self._finish = finish
+        self._requests: dict[str, _RequestState] = {}
+        self._choices: dict[int, _Choice] = {}  # seq_id -> its choice
+        self._token_text: dict[int, str] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seqs: list[Sequence],
+        arrival_time: float,
+    ) -> None:
+        """Start tracking a request whose choices are ``seqs`` (in index order)."""
+        choices = [
+            _Choice(
+                seq=seq,
+                index=index,
+                detok=IncrementalDetokenizer(self._tokenizer.hf, prompt_token_ids, params),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            for index, seq in enumerate(seqs)
+        ]
+        state = _RequestState(request_id, prompt, prompt_token_ids, params, choices, arrival_time)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt_token_ids)
+        self._requests[request_id] = state
+        for choice in choices:
+            self._choices[choice.seq.seq_id] = choice
+
+    def remove(self, request_id: str) -> None:
+        """Stop tracking a request (finished, aborted or failed)."""
+        state = self._requests.pop(request_id, None)
+        for choice in state.choices if state is not None else ():
+            self._choices.pop(choice.seq.seq_id, None)
+
+    def mark_scheduled(self, out: SchedulerOutput, now: float) -> None:
+        """Note when each request first runs (its queue time) and how much of its prompt was cached."""
+        for s in out.prefills:
+            state = self._requests.get(s.seq.request_id)
+            if state is None:
+                continue
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = now
+            if s.seq.num_generated_tokens == 0:  # a recompute after preemption is not the prompt's cache hit
+                state.num_cached_tokens = max(state.num_cached_tokens, s.seq.num_cached_tokens)
+
+    def process(self, result: StepResult) -> list[RequestOutput]:
+        """Turn the step's tokens into text and return the delta output of each request that progressed.
+
+        Called after the scheduler appended the sampled tokens. A finished
+        request's output is its last; the caller then removes the request.
+        """
+        for seq_id, positions in result.prompt_logprobs.items():
+            choice = self._choices.get(seq_id)
+            if choice is None:
+                continue
+            state = self._requests[choice.seq.request_id]
+            for p in positions:
+                token_id = state.prompt_token_ids[p.position]
+                state.prompt_logprobs[p.position] = self._position_logprobs(token_id, p.logprob, p.top_logprobs)
+        progressed: dict[str, None] = {}  # insertion-ordered set
+        for seq_id, sampled in result.sampled.items():
+            choice = self._choices.get(seq_id)
+            if choice is None:
+                continue  # its request ended during the step
+            self._add_token(choice, sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            progressed[choice.seq.request_id] = None
+        outputs = []
+        for rid in progressed:
+            state = self._requests[rid]
+            if state.finished or state.streams:
+                outputs.append(self._make_output(state))
+        return outputs
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """The final output of a request that failed inside the engine (None if unknown)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        state.error = message
+        for choice in state.choices:
+            if choice.seq.finish_reason is None:
+                choice.seq.finish_reason = "error"
+        return self._make_output(state)
+
+    def _add_token(self, choice: _Choice, token_id: int, logprob: float, top) -> None:
+        seq = choice.seq
+        choice.cumulative_logprob += logprob
+        if choice.logprobs is not None:
+            choice.logprobs.append(self._position_logprobs(token_id, logprob, top or []))
+        if seq.finish_reason == "stop":
+            # A stop token or the end of text: its own text is never shown.
+            choice.text += choice.detok.flush()
+            return
+        text, stop = choice.detok.add_token(token_id)
+        choice.text += text
+        if stop is not None:
+            # The stop string came with this token: it wins over a length limit reached by the same token.
+            self._finish(seq, "stop", stop)
+        elif seq.finish_reason is not None:
+            choice.text += choice.detok.flush()
+
+    # -- logprob text ----------------------------------------------------
+
+    def _token_str(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def _position_logprobs(self, token_id: int, logprob: float, top) -> PositionLogprobs:
+        return PositionLogprobs(
+            chosen=TokenLogprob(token_id, logprob, self._token_str(token_id)),
+            top=[TokenLogprob(t, lp, self._token_str(t)) for t, lp in top],
+        )
+
+    # -- deltas ----------------------------------------------------------
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        """A delta output: what changed since the last one for this request."""
+        choices = state.choices
+        if not state.streams:
+            choices = sorted(choices, key=lambda c: c.cumulative_logprob, reverse=True)[: state.params.n]
+        deltas = []
+        for new_index, choice in enumerate(choices):
+            if choice.finish_sent:
+                continue
+            seq = choice.seq
+            generated = seq.token_ids[seq.num_prompt_tokens + choice.sent_tokens :]
+            delta = CompletionOutput(
+                index=choice.index if state.streams else new_index,
+                text=choice.text[choice.sent_text :],
+                token_ids=generated,
+                logprobs=choice.logprobs[choice.sent_logprobs :] if choice.logprobs is not None else None,
+                cumulative_logprob=choice.cumulative_logprob,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            if not delta.token_ids and not delta.text and delta.finish_reason is None:
+                continue
+            choice.sent_text = len(choice.text)
+            choice.sent_tokens += len(generated)
+            choice.sent_logprobs = len(choice.logprobs) if choice.logprobs is not None else 0
+            choice.finish_sent = seq.finish_reason is not None
+            deltas.append(delta)
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+            prompt_logprobs = state.prompt_logprobs
+            state.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=deltas,
+            finished=state.finished or state.error is not None,
+            delta=True,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
+            num_generated_tokens=sum(c.seq.num_generated_tokens for c in state.choices),
+            error=state.error,
+            queue_time=None if state.first_scheduled_time is None else state.first_scheduled_time - state.arrival_time,
+        )

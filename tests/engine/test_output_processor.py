@@ -1,0 +1,106 @@
+"""The output processor without a model: text, stop strings, deltas and best_of, over a character tokenizer."""
+
+from __future__ import annotations
+
+from servelm.engine.model_runner import SampledToken, StepResult
+from servelm.engine.output_processor import OutputProcessor
+from servelm.engine.outputs import accumulate
+from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.sequence import Sequence
+
+
+class CharTokenizer:
+    """Token id i is the character chr(i): decoding is joining."""
+
+    def __init__(self):
+        self.hf = self
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(chr(i) for i in ids)
+
+
+class Harness:
+    """An output processor, with the scheduler's part (append, stop tokens, length) played by hand."""
+
+    def __init__(self):
+        self.finished: list[tuple[int, str, object]] = []
+        self.proc = OutputProcessor(CharTokenizer(), self._finish)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.finished.append((seq.seq_id, reason, stop_reason))
+
+    def add(self, rid: str, params: SamplingParams, max_tokens: int = 50, first_id: int = 0) -> list[Sequence]:
+        prompt = [ord(c) for c in "hi"]
+        seqs = [
+            Sequence(first_id + i, rid, prompt, len(prompt), max_tokens, stop_token_ids=frozenset(params.stop_token_ids))
+            for i in range(params.best_of)
+        ]
+        self.proc.add_request(rid, "hi", prompt, params, seqs, arrival_time=0.0)
+        return seqs
+
+    def step(self, tokens: dict[Sequence, tuple[str, float]]):
+        result = StepResult()
+        for seq, (char, logprob) in tokens.items():
+            token = ord(char)
+            seq.append_token(token)
+            stop = seq.stop_for_token(token)
+            if stop is not None:
+                self._finish(seq, *stop)
+            result.sampled[seq.seq_id] = SampledToken(token, logprob, None)
+        return self.proc.process(result)
+
+
+def test_deltas_add_up_to_the_text_and_slice_the_sequence_tokens():
+    h = Harness()
+    (seq,) = h.add("r", SamplingParams(max_tokens=3), max_tokens=3)
+    total = None
+    for char in "abc":
+        (out,) = h.step({seq: (char, -0.5)})
+        assert out.outputs[0].token_ids == [ord(char)]  # only what is new
+        total = accumulate(total, out)
+    assert total.outputs[0].text == "abc" and total.finished
+    assert (total.outputs[0].finish_reason, total.num_generated_tokens) == ("length", 3)
+    assert total.outputs[0].cumulative_logprob == -1.5
+
+
+def test_a_stop_string_ends_the_sequence_through_the_scheduler_and_is_cut():
+    h = Harness()
+    (seq,) = h.add("r", SamplingParams(stop=["xy"]))
+    texts = []
+    for char in "abxy":
+        (out,) = h.step({seq: (char, 0.0)}) or [None]
+        if out is not None:
+            texts.append(out.outputs[0].text if out.outputs else "")
+    assert h.finished == [(seq.seq_id, "stop", "xy")]
+    assert "".join(texts) == "ab"
+    assert out.finished and out.outputs[0].stop_reason == "xy"
+
+
+def test_a_stop_token_is_not_shown_and_held_back_text_is_flushed():
+    h = Harness()
+    (seq,) = h.add("r", SamplingParams(stop=["zz"], stop_token_ids=[ord("!")]))
+    (first,) = h.step({seq: ("z", 0.0)})
+    assert first.outputs[0].text == ""  # "z" may start the stop string
+    (last,) = h.step({seq: ("!", 0.0)})
+    assert last.outputs[0].text == "z" and last.outputs[0].finish_reason == "stop"
+    assert last.outputs[0].stop_reason == ord("!")
+
+
+def test_best_of_holds_the_output_until_the_end_and_keeps_the_best():
+    h = Harness()
+    seqs = h.add("r", SamplingParams(n=1, best_of=2, max_tokens=2), max_tokens=2)
+    assert h.step({seqs[0]: ("a", -3.0), seqs[1]: ("b", -0.1)}) == []
+    (out,) = h.step({seqs[0]: ("a", -3.0), seqs[1]: ("b", -0.1)})
+    assert [(c.index, c.text) for c in out.outputs] == [(0, "bb")] and out.finished
+
+
+def test_a_failed_request_reports_its_error_and_ends_every_choice():
+    h = Harness()
+    seqs = h.add("r", SamplingParams(n=2))
+    h.step({seqs[0]: ("a", 0.0), seqs[1]: ("b", 0.0)})
+    out = h.proc.fail("r", "see the log")
+    assert out.finished and out.error == "see the log"
+    assert [c.finish_reason for c in out.outputs] == ["error", "error"]
+    h.proc.remove("r")
+    assert h.proc.fail("r", "again") is None
