@@ -377,6 +377,7 @@ class TokenizeRequest(OpenAIRequest):
         None, description="Default true for prompt, false for messages (the template has them)."
     )
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = Field(None, description="With messages: rendered as chat completions does.")
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -13,7 +13,6 @@ reply, stream and ``finish_reason`` shapes.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +23,14 @@ from jsonschema.validators import validator_for
 
 from servelm.api.errors import APIError
 from servelm.api.protocol import ChatCompletionRequest
-from servelm.api.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, NamedToolChoice, ToolCall
+from servelm.api.tool_protocol import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
+    ToolDefinition,
+)
 from servelm.connectors.base import ModelCard
 from servelm.engine.outputs import ToolCallDelta
 from servelm.engine.sampling_params import SamplingParams
@@ -62,10 +68,16 @@ def tool_format(setting: str, chat_template_override: str | None, card: ModelCar
     return card.tool_call_parser or detect_format(None)
 
 
+def tool_definitions(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
+    """The definitions as the chat template gets them (None for none); a 400 naming the first bad field."""
+    _functions(tools)
+    return [t.model_dump(exclude_none=True, exclude={"custom"}) for t in tools] if tools else None
+
+
 def plan_tools(req: ChatCompletionRequest, fmt: str) -> ToolPlan:
     """Check the request's tool fields and decide how its tools run (``fmt``: the model's format)."""
     tools = req.tools or []
-    functions = _functions(req)
+    functions = _functions(tools)
     choice = req.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
@@ -73,7 +85,7 @@ def plan_tools(req: ChatCompletionRequest, fmt: str) -> ToolPlan:
         if choice != "none":
             raise APIError("tool_choice is only allowed when tools are given.", status=400, param="tool_choice")
         return ToolPlan()
-    definitions = [t.model_dump(exclude_none=True, exclude={"custom"}) for t in tools]
+    definitions = tool_definitions(tools)
     if choice == "none":
         return ToolPlan(tools=definitions)
     one_call = req.parallel_tool_calls is False
@@ -96,10 +108,10 @@ def plan_tools(req: ChatCompletionRequest, fmt: str) -> ToolPlan:
     return ToolPlan(tools=definitions, parser=fmt, structural_tag=tag, named=named, one_call=one_call)
 
 
-def _functions(req: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
+def _functions(tools: list[ToolDefinition] | None) -> dict[str, dict[str, Any]]:
     """Each tool's function name and parameters schema; a 400 naming the first bad field."""
     functions: dict[str, dict[str, Any]] = {}
-    for i, tool in enumerate(req.tools or []):
+    for i, tool in enumerate(tools or []):
         where = f"tools[{i}]"
         if tool.type != "function" or tool.custom is not None:
             raise APIError(
@@ -140,13 +152,10 @@ def _parameters(schema: dict[str, Any] | None, where: str) -> dict[str, Any]:
 
 
 def apply_plan(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
-    """``params`` with the plan's parser (special tokens kept where the format's markers are ones)."""
+    """``params`` as the plan runs them: replies parsed in its format."""
     if plan.parser is None:
         return params
-    changes: dict[str, Any] = {"tool_call_parser": plan.parser}
-    if get_format(plan.parser).keep_special_tokens:
-        changes["skip_special_tokens"] = False
-    return dataclasses.replace(params, **changes)
+    return params.parsing_tool_calls(plan.parser)
 
 
 @dataclass

@@ -11,8 +11,9 @@ missing or repeated. After ``MAX_MIGRATIONS`` the request fails with a 503
 ``replica_failed`` (an SSE error event mid-stream).
 
 Limits, stated in docs/DEPLOY.md: greedy requests resume exactly; sampled
-ones continue with a fresh random state; a request with ``n > 1`` that has
-already produced tokens cannot be resumed and fails; text the dead replica
+ones continue with a fresh random state; a request with ``n > 1``, or whose
+text is parsed for tool calls (the parser's state is on the dead replica),
+that has already produced tokens cannot be resumed and fails; text the dead replica
 held back (a possible stop string or an unfinished UTF-8 character at the
 cut) is lost.
 """
@@ -69,6 +70,12 @@ def resume_request(request: dict[str, Any], progress: _Progress, attempt: int) -
         raise ConnectorError(
             "The engine replica serving this request failed after it had produced output; a request with "
             "n > 1 cannot be resumed on another replica. Retry the request.",
+            status=503, type="service_unavailable_error", code="replica_failed",
+        )
+    if params.tool_call_parser is not None:
+        raise ConnectorError(
+            "The engine replica serving this request failed after it had produced output; a request with "
+            "tools cannot be resumed on another replica. Retry the request.",
             status=503, type="service_unavailable_error", code="replica_failed",
         )
     done = len(progress.token_ids)

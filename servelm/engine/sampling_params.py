@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
@@ -165,6 +166,17 @@ class SamplingParams:
                     raise SamplingParamsError(
                         name, f"{name} holds token id {tok}, outside the model's vocabulary [0, {vocab_size})"
                     )
+
+    def parsing_tool_calls(self, fmt: str) -> SamplingParams:
+        """A copy whose text is read for tool calls in the format ``fmt``.
+
+        Special tokens stay in the text when the format's markers are ones
+        (Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``).
+        """
+        changes: dict[str, object] = {"tool_call_parser": fmt}
+        if FORMATS[fmt].keep_special_tokens:
+            changes["skip_special_tokens"] = False
+        return dataclasses.replace(self, **changes)
 
     @property
     def greedy(self) -> bool:

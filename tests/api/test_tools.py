@@ -259,3 +259,15 @@ async def test_the_openai_client_reads_the_calls(live_server, fake):
         final = await stream.get_final_completion()
     assert final.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
     await client.close()
+
+
+async def test_tokenize_renders_tools_as_chat_does(client, fake):
+    messages = [{"role": "user", "content": "x"}]
+    r = await client.post("/tokenize", json={"model": CHAT_MODEL, "messages": messages, "tools": [WEATHER]})
+    assert r.status_code == 200, r.text
+    await chat(client, messages=messages, tools=[WEATHER])
+    assert fake.template_calls[0] == fake.template_calls[1]
+    assert fake.template_calls[0]["tools"] == [WEATHER] and fake.template_calls[0]["tool_call_parser"] == "hermes"
+    bad = await client.post("/tokenize", json={"messages": messages, "tools": [{"type": "function", "function": {
+        "name": "a b"}}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].function.name"
