@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_valid
 from servelm.api.request_model import RequestModel, TokenIds, check_token_id_lists
 from servelm.api.tool_protocol import DeltaToolCall, ToolCall, ToolCallParam, ToolChoice, ToolDefinition
 
+
 def _absent(value: Any) -> bool:
     return value is None or value == [] or value == {}
 

@@ -31,7 +31,7 @@ def compiler(model_path):
 
     tok = load_tokenizer(model_path)
     info = xgr.TokenizerInfo.from_huggingface(tok.hf, stop_token_ids=sorted(tok.eos_token_ids))
-    return xgr.GrammarCompiler(info), sorted(tok.eos_token_ids)[0]
+    return xgr.GrammarCompiler(info), min(tok.eos_token_ids)
 
 
 def accepts(compiler, tag: dict, text: str) -> bool:

@@ -32,8 +32,8 @@ CASES = [
      [("get_weather", WEATHER)]),
     ("hermes", f'Let me check.\n\n<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>\n',
      "Let me check.", [("get_weather", WEATHER)]),
-    ("hermes", '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>\n{"name": "b", "arguments": '
-     '{"x": [1, -2.5e3, true, null, {"y": "\\"}\\u00e9"}]}}\n</tool_call>', "",
+    ("hermes", ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>\n{"name": "b", "arguments": '
+                '{"x": [1, -2.5e3, true, null, {"y": "\\"}\\u00e9"}]}}\n</tool_call>'), "",
      [("a", "{}"), ("b", '{"x": [1, -2.5e3, true, null, {"y": "\\"}\\u00e9"}]}')]),
     ("hermes", '<tool_call>\n{"arguments": {"q": 1}, "name": "late"}\n</tool_call>', "", [("late", '{"q": 1}')]),
     ("hermes", '<tool_call>\n{"name": "noargs"}\n</tool_call>', "", [("noargs", "{}")]),
