@@ -15,6 +15,7 @@ import xgrammar as xgr
 
 from servelm.engine.outputs import ToolCallDelta, merge_tool_calls
 from servelm.engine.tool_parsers import FORMATS, get_format
+from servelm.engine.tool_parsers.format import MAX_WHITESPACE
 
 WEATHER = {
     "type": "object",
@@ -59,6 +60,7 @@ def test_required_accepts_valid_calls_and_the_parser_reads_them(compiler, fmt):
         [("get_time", "{}")],
         [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")],
         [("get_weather", '{\n  "city": "Rome"\n}')],
+        [("get_weather", '{"city":' + " " * MAX_WHITESPACE + '"Rome"}')],
     ):
         text = f.calls_text(calls)
         assert accepts(compiler, tag, text), text
@@ -87,6 +89,7 @@ def test_required_rejects_prose_and_bare_json(compiler, fmt, text):
         ("get_weather", '{"city": "Paris", "days": 0}'),  # below the minimum
         ("get_weather", '{"city": "Paris", "color": "red"}'),  # a property the schema does not have
         ("unknown_function", "{}"),
+        ("get_weather", '{"city":' + " " * (MAX_WHITESPACE + 1) + '"Paris"}'),  # runaway padding
     ],
 )
 def test_required_rejects_arguments_outside_the_schema(compiler, fmt, name, arguments):
@@ -101,3 +104,15 @@ def test_one_call_allows_exactly_one(compiler, fmt):
     assert accepts(compiler, tag, f.calls_text([("get_weather", '{"city": "Paris"}')]))
     assert not accepts(compiler, tag, f.calls_text([("get_weather", '{"city": "Paris"}')] * 2))
     assert not accepts(compiler, tag, f.calls_text([("get_time", "{}")]))  # only the named function
+
+
+def test_after_a_hermes_call_only_the_end_or_another_call_may_follow(compiler):
+    # A newline there is what a small model continues with, into the same call again and again.
+    f = get_format("hermes")
+    compiled, _ = compiler
+    grammar = compiled.compile_structural_tag(json.dumps(f.structural_tag(FUNCTIONS, one_call=False)))
+    call = f.calls_text([("get_time", "{}")])
+    for after, ok in (("\n", False), (" ", False), ("<tool_call>", True)):
+        matcher = xgr.GrammarMatcher(grammar)
+        assert matcher.accept_string(call)
+        assert matcher.accept_string(after) is ok, after

@@ -15,6 +15,11 @@ from typing import Any
 
 from servelm.engine.tool_parsers.parser import CallSyntax, ToolCallParser
 
+# The longest run of whitespace forced arguments may hold: a small model
+# sampling inside a grammar otherwise pads JSON with whitespace, token after
+# token, until max_tokens cuts the call short. Enough for indented JSON.
+MAX_WHITESPACE = 16
+
 
 @dataclass(frozen=True)
 class ToolCallFormat:
@@ -36,7 +41,7 @@ class ToolCallFormat:
     run_close: str = ""
     call_open: str = ""
     call_close: str = ""
-    separator: str = "\n"
+    separator: str = ""
     keep_special_tokens: bool = False
     call_id_length: int | None = None
 
@@ -68,7 +73,7 @@ class ToolCallFormat:
             {
                 "type": "tag",
                 "begin": self.call_begin(name),
-                "content": {"type": "json_schema", "json_schema": schema},
+                "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE},
                 "end": self.call_end,
             }
             for name, schema in functions

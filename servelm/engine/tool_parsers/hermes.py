@@ -14,5 +14,8 @@ HERMES = ToolCallFormat(
     syntax=CallSyntax(markers=("<tool_call>",), closing="</tool_call>"),
     call_open="<tool_call>\n",
     call_close="\n</tool_call>",
-    separator="\n",
+    # Calls follow each other directly: a small model forced into calls takes a
+    # newline after </tool_call> as the start of another call (and repeats the
+    # same call until max_tokens), while without one it ends its reply.
+    separator="",
 )
