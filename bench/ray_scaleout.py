@@ -22,85 +22,15 @@ Servers run on 127.0.0.1 as subprocesses, started and stopped here by PID.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
-
-MODEL = "smollm2-135m-instruct"
-DTYPE = "bfloat16"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def server(args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 600.0):
-    """A ``servelm serve`` on a free port; yields its URL; stops it (SIGTERM, then SIGKILL) by PID."""
-    port = free_port()
-    # dtype pinned: `auto` times bfloat16 against float32 at start-up, and on a
-    # loaded machine two servers could pick differently.
-    cmd = [sys.executable, "-m", "servelm", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--embedding-model", "none", "--log-level", "warning", "--dtype", DTYPE, *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
-    env.pop("RAY_ADDRESS", None)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    env.update(env_extra or {})
-    with tempfile.NamedTemporaryFile(prefix="servelm-bench-", suffix=".log") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited {proc.returncode}: {Path(log.name).read_text()[-2000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("server not ready in time")
-                time.sleep(1)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def bench_serve(url: str, concurrency: int, num_prompts: int, output_len: int, endpoint: str) -> dict:
-    """One ``servelm bench serve`` level; returns its summary."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "servelm", "bench", "serve", "--base-url", url, "--endpoint", endpoint,
-               "--concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--input-len", "128",
-               "--output-len", str(output_len), "--warmup", str(min(concurrency, 4)), "--result-json", out.name,
-               "--no-progress"]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
-        return json.loads(Path(out.name).read_text())["levels"][0]
-
-
-def _median(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _ratio(b: float | None, a: float | None) -> str:
-    return f"{b / a:.2f}" if a and b is not None else "n/a"
+from serving import MODEL, bench_serve, median, ratio, server
 
 
 def overhead(rounds: int, cpus: int, output_len: int, out) -> None:
@@ -121,8 +51,8 @@ def overhead(rounds: int, cpus: int, output_len: int, out) -> None:
     print("|---|---|---|---|---|---|---|", file=out)
     for c in (1, 32):
         a, b = rows[("in-process", c)], rows[("1 replica on Ray", c)]
-        ia, ib, ta, tb = _median(a["itl"]), _median(b["itl"]), _median(a["tput"]), _median(b["tput"])
-        print(f"| {c} | {ia:.1f} | {ib:.1f} | {_ratio(ib, ia)} | {ta:.1f} | {tb:.1f} | {_ratio(tb, ta)} |", file=out)
+        ia, ib, ta, tb = median(a["itl"]), median(b["itl"]), median(a["tput"]), median(b["tput"])
+        print(f"| {c} | {ia:.1f} | {ib:.1f} | {ratio(ib, ia)} | {ta:.1f} | {tb:.1f} | {ratio(tb, ta)} |", file=out)
 
 
 def scaling(rounds: int, cpus: int, replicas_b: int, output_len: int, out) -> None:
@@ -137,10 +67,10 @@ def scaling(rounds: int, cpus: int, replicas_b: int, output_len: int, out) -> No
                 level = bench_serve(url, 32, 32, output_len, "chat")
                 tput.setdefault(name, []).append(level["output_throughput"])
                 print(f"round {r} {name}: {level['output_throughput']:.1f} tok/s", file=out, flush=True)
-    a, b = _median(tput[configs[0][0]]), _median(tput[configs[1][0]])
+    a, b = median(tput[configs[0][0]]), median(tput[configs[1][0]])
     print(f"\n| {cpus} core(s) per replica, c=32 chat | 1 replica | {replicas_b} replicas | ratio |", file=out)
     print("|---|---|---|---|", file=out)
-    print(f"| output tok/s (median of {rounds}) | {a:.1f} | {b:.1f} | {_ratio(b, a)} |", file=out)
+    print(f"| output tok/s (median of {rounds}) | {a:.1f} | {b:.1f} | {ratio(b, a)} |", file=out)
 
 
 def _system_prompt(i: int) -> str:
@@ -195,10 +125,10 @@ def prefix(rounds: int, cpus: int, kv: str, out) -> None:
                 print(f"round {r} {name}: hit rate {rate:.3f}, TTFT p50 {ttft:.0f} ms", file=out, flush=True)
     print("\n| 2 replicas, 8 system prompts x 8 users, c=4 | load only | prefix-aware | ratio |", file=out)
     print("|---|---|---|---|", file=out)
-    ra, rb = (_median([x[0] for x in results[n]]) for n, _ in configs)
-    ta, tb = (_median([x[1] for x in results[n]]) for n, _ in configs)
-    print(f"| prefix-cache hit rate | {ra:.3f} | {rb:.3f} | {_ratio(rb, ra)} |", file=out)
-    print(f"| TTFT p50 (ms) | {ta:.0f} | {tb:.0f} | {_ratio(tb, ta)} |", file=out)
+    ra, rb = (median([x[0] for x in results[n]]) for n, _ in configs)
+    ta, tb = (median([x[1] for x in results[n]]) for n, _ in configs)
+    print(f"| prefix-cache hit rate | {ra:.3f} | {rb:.3f} | {ratio(rb, ra)} |", file=out)
+    print(f"| TTFT p50 (ms) | {ta:.0f} | {tb:.0f} | {ratio(tb, ta)} |", file=out)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """servelm: an OpenAI-compatible LLM inference server with its own serving engine.
 
-``from servelm import LLM, SamplingParams`` gives the offline API. Imports are
+``from servelm import LLM, SamplingParams, StructuredOutputsParams`` gives the offline API. Imports are
 lazy so that the HTTP layer can import ``servelm`` without torch.
 """
 
@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 if TYPE_CHECKING:
     from servelm.engine.sampling_params import SamplingParams
+    from servelm.engine.structured_outputs import StructuredOutputsParams
     from servelm.llm import LLM
 
 
@@ -26,4 +27,8 @@ def __getattr__(name: str) -> Any:
         from servelm.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from servelm.engine.structured_outputs import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'servelm' has no attribute {name!r}")

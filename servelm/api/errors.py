@@ -121,8 +121,24 @@ def api_error_from(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):  # a ConnectorError too
         return exc
     if isinstance(exc, SamplingParamsError):
-        return APIError(str(exc), status=400, param=exc.param)
+        return APIError(str(exc), status=400, param=exc.param, code=exc.code)
     return APIError("The server had an error while processing your request.", status=500)
+
+
+def with_param_renamed(err: APIError, names: dict[str, str]) -> APIError:
+    """``err`` naming the request field a client used instead of the engine's name for it.
+
+    ``names`` maps engine names (``max_tokens``, ``structured_outputs.json``)
+    to request fields (``max_completion_tokens``, ``guided_json``); the
+    message's leading name is replaced too. Other errors come back as they are.
+    """
+    field = names.get(err.param) if err.param is not None else None
+    if field is None or err.param is None:
+        return err
+    message = err.message
+    if message.startswith(err.param):
+        message = field + message[len(err.param):]
+    return APIError(message, status=err.status, type=err.type, param=field, code=err.code, headers=err.headers)
 
 
 def context_length_exceeded(

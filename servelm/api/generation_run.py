@@ -18,11 +18,11 @@ from typing import TypeVar
 import anyio
 
 from servelm.api.admission import QUEUE_RETRY_AFTER_S, Admission
-from servelm.api.errors import APIError, RequestTimedOut, ServerOverloaded
+from servelm.api.errors import APIError, RequestTimedOut, ServerOverloaded, api_error_from, with_param_renamed
 from servelm.api.metrics import Metrics, RequestRecorder
 from servelm.api.protocol import PromptTokensDetails, Usage
 from servelm.api.ratelimit import retry_after
-from servelm.connectors.base import Connector
+from servelm.connectors.base import Connector, ConnectorError
 from servelm.engine.outputs import PositionLogprobs, RequestOutput, ToolCallDelta, merge_tool_calls
 from servelm.engine.sampling_params import SamplingParams
 
@@ -74,7 +74,9 @@ class GenerationRun:
     unknown model) surface before a response is chosen. :meth:`close` aborts
     whatever has not finished; it is idempotent. ``max_model_len`` bounds
     the completion when ``params.max_tokens`` is None (for
-    :attr:`max_total_tokens`).
+    :attr:`max_total_tokens`). ``param_names`` maps the engine's names of
+    parameters to the request fields the client set (structured outputs), so
+    the connector's errors name the client's field.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class GenerationRun:
         metrics: Metrics,
         *,
         max_model_len: int | None = None,
+        param_names: dict[str, str] | None = None,
     ):
         self.connector = connector
         self.model = model
@@ -94,6 +97,7 @@ class GenerationRun:
         self.params = params
         self.metrics = metrics
         self.max_model_len = max_model_len
+        self.param_names = param_names or {}
         self.admitted = False  # the engine took every prompt (start() returned)
         self.received_at = time.perf_counter()  # when the API got the request (respond() sets the exact time)
         self.first_token_at: float | None = None  # time.perf_counter() at the first generated token
@@ -201,6 +205,11 @@ class GenerationRun:
                 raise RequestTimedOut(self._request_timeout) from None
             finally:
                 self._timeout = None
+        except ConnectorError as exc:
+            await self.close()
+            if exc.param in self.param_names:
+                raise with_param_renamed(api_error_from(exc), self.param_names) from None
+            raise
         except BaseException:
             await self.close()
             raise

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from servelm.api.request_model import RequestModel, TokenIds, check_token_id_lists
+from servelm.api.structured import ResponseFormat, StructuredOutputsRequest
 from servelm.api.tool_protocol import DeltaToolCall, ToolCall, ToolCallParam, ToolChoice, ToolDefinition
 
 
@@ -71,6 +72,14 @@ class SamplingFields(OpenAIRequest):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="Accepted and ignored (end-user id).")
+    # structured outputs (servelm/api/structured.py): at most one kind per request
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="vLLM extension: constrain the output (exactly one of its fields)."
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extension (older): a JSON schema.")
+    guided_regex: str | None = Field(None, description="vLLM extension (older): a regular expression.")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension (older): one of these strings.")
+    guided_grammar: str | None = Field(None, description="vLLM extension (older): an EBNF grammar.")
 
 
 # --- chat completions -------------------------------------------------------
@@ -129,7 +138,9 @@ class ChatCompletionRequest(SamplingFields):
     # documented by OpenAI, not supported: see UNSUPPORTED
     functions: list[Any] | None = Field(None, description="Not supported; rejected unless empty.")
     function_call: Any | None = Field(None, description='Not supported; only "none" is accepted.')
-    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}.'
+    )
     audio: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     prediction: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
@@ -141,7 +152,6 @@ class ChatCompletionRequest(SamplingFields):
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
         "functions": _absent,
         "function_call": lambda v: v == "none",
-        "response_format": lambda v: v.get("type") == "text",
         "audio": lambda v: False,
         "modalities": lambda v: v == ["text"],
         "prediction": lambda v: False,

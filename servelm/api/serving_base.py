@@ -15,12 +15,21 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from servelm.api.admission import Admission
-from servelm.api.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ClientDisconnected, ServerShuttingDown, json_value
+from servelm.api.errors import (
+    UNAVAILABLE_RETRY_AFTER_S,
+    APIError,
+    ClientDisconnected,
+    ServerShuttingDown,
+    api_error_from,
+    json_value,
+    with_param_renamed,
+)
 from servelm.api.lifecycle import Lifecycle
 from servelm.api.metrics import Metrics
 from servelm.api.protocol import ChatMessage, SamplingFields
 from servelm.connectors.base import Connector, ModelCard, ModelNotFound
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
+from servelm.engine.structured_outputs import StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -225,11 +234,13 @@ def sampling_params(
     prompt_logprobs: int | None = None,
     best_of: int | None = None,
     rename: dict[str, str] | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams from a request's sampling fields; unset fields keep the engine's defaults.
 
     ``rename`` maps SamplingParams names to the request field a client used
     (chat's ``max_completion_tokens``, ``top_logprobs``), so a 400 names it.
+    ``structured_outputs`` comes from :func:`servelm.api.structured.structured_request`.
     """
     kwargs: dict[str, Any] = {
         "n": req.n,
@@ -245,6 +256,7 @@ def sampling_params(
         "skip_special_tokens": req.skip_special_tokens,
         "logit_bias": req.logit_bias,
         "seed": req.seed,
+        "structured_outputs": structured_outputs,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
@@ -254,11 +266,7 @@ def sampling_params(
     try:
         return SamplingParams(**kwargs)
     except SamplingParamsError as exc:
-        param = (rename or {}).get(exc.param, exc.param)
-        message = str(exc)
-        if param != exc.param and message.startswith(exc.param):
-            message = param + message[len(exc.param):]
-        raise APIError(message, status=400, param=param) from exc
+        raise with_param_renamed(api_error_from(exc), rename or {}) from exc
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:

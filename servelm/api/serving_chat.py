@@ -25,7 +25,8 @@ from servelm.api.protocol import (
 )
 from servelm.api.serving_base import check_supported, sampling_params
 from servelm.api.serving_generation import GenerationServing
-from servelm.api.tools import ToolCallReplies, apply_plan, plan_tools, tool_format
+from servelm.api.structured import structured_request
+from servelm.api.tools import ToolCallReplies, apply_plan, forced_calls, plan_tools, tool_format
 
 
 @dataclass
@@ -106,9 +107,11 @@ class ServingChat(GenerationServing):
         check_supported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true.", status=400, param="top_logprobs")
+        structured = structured_request(req)
         card = await self.model_card(req.model, "generate")
         tool_fmt = tool_format(self.ctx.tool_call_parser, self.ctx.chat_template, card)
         plan = plan_tools(req, tool_fmt)
+        structured = forced_calls(plan, structured)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(
             req,
@@ -118,6 +121,7 @@ class ServingChat(GenerationServing):
                 "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
                 "logprobs": "top_logprobs",
             },
+            structured_outputs=structured.params,
         )
         params = apply_plan(params, plan)
         text = await self.render_chat(
@@ -131,7 +135,8 @@ class ServingChat(GenerationServing):
 
         request_id = f"chatcmpl-{response_id(raw_request, self.ctx.new_id)}"
         run = GenerationRun(
-            self.connector, card.id, request_id, [prompt_ids], params, self.ctx.metrics, max_model_len=card.max_model_len
+            self.connector, card.id, request_id, [prompt_ids], params, self.ctx.metrics, max_model_len=card.max_model_len,
+            param_names=structured.param_names,
         )
         stream = bool(req.stream)
         formatter = ChatFormatter(

@@ -21,6 +21,7 @@ from servelm.api.protocol import (
 )
 from servelm.api.serving_base import check_supported, sampling_params
 from servelm.api.serving_generation import GenerationServing
+from servelm.api.structured import structured_request
 from servelm.engine.outputs import PositionLogprobs
 
 
@@ -99,6 +100,7 @@ class ServingCompletion(GenerationServing):
         stream = bool(req.stream)
         if stream and req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of must equal n (or be unset) when streaming.", status=400, param="best_of")
+        structured = structured_request(req)
         card = await self.model_card(req.model, "generate")
         prompts = _prompt_list(req.prompt)
         with_prompt_logprobs = bool(req.echo) and req.logprobs is not None
@@ -108,6 +110,7 @@ class ServingCompletion(GenerationServing):
             logprobs=req.logprobs,
             prompt_logprobs=req.logprobs if with_prompt_logprobs else None,
             best_of=req.best_of,
+            structured_outputs=structured.params,
         )
         prompt_ids: list[list[int]] = []
         for i, p in enumerate(prompts):
@@ -132,7 +135,8 @@ class ServingCompletion(GenerationServing):
 
         request_id = f"cmpl-{response_id(raw_request, self.ctx.new_id)}"
         run = GenerationRun(
-            self.connector, card.id, request_id, prompt_ids, params, self.ctx.metrics, max_model_len=card.max_model_len
+            self.connector, card.id, request_id, prompt_ids, params, self.ctx.metrics, max_model_len=card.max_model_len,
+            param_names=structured.param_names,
         )
         formatter = CompletionFormatter(
             id=request_id,

@@ -13,6 +13,7 @@ reply, stream and ``finish_reason`` shapes.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from jsonschema.validators import validator_for
 
 from servelm.api.errors import APIError
 from servelm.api.protocol import ChatCompletionRequest
+from servelm.api.structured import StructuredRequest
 from servelm.api.tool_protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
@@ -34,6 +36,7 @@ from servelm.api.tool_protocol import (
 from servelm.connectors.base import ModelCard
 from servelm.engine.outputs import ToolCallDelta
 from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.structured_outputs import StructuredOutputsError, StructuredOutputsParams, unenforced_keyword
 from servelm.engine.tool_parsers import AUTO, detect_format, get_format
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -104,6 +107,13 @@ def plan_tools(req: ChatCompletionRequest, fmt: str) -> ToolPlan:
         one_call = True
     else:  # "required"
         forced = list(functions.items())
+    names = list(functions)
+    for name, schema in forced:
+        problem = unenforced_keyword(schema)
+        if problem is not None:
+            where = f"tools[{names.index(name)}].function.parameters"
+            raise APIError(f"'{where}' {problem} in a forced call.", status=400, param=where,
+                           code=StructuredOutputsError.code)
     tag = get_format(fmt).structural_tag(forced, one_call=one_call)
     return ToolPlan(tools=definitions, parser=fmt, structural_tag=tag, named=named, one_call=one_call)
 
@@ -149,6 +159,25 @@ def _parameters(schema: dict[str, Any] | None, where: str) -> dict[str, Any]:
             param=where,
         )
     return schema
+
+
+def forced_calls(plan: ToolPlan, structured: StructuredRequest) -> StructuredRequest:
+    """The request's structured output once tools are planned: the plan's grammar when it forces calls.
+
+    Errors the engine raises compiling it name ``tools``. A forced reply is
+    calls only, so it cannot also follow a structured output the client asked for.
+    """
+    if plan.structural_tag is None:
+        return structured
+    if structured.params is not None:
+        raise APIError(
+            "tool_choice forces the reply to be tool calls; it cannot also follow "
+            f"{next(iter(structured.param_names.values()))}.",
+            status=400,
+            param="tool_choice",
+        )
+    params = StructuredOutputsParams(structural_tag=json.dumps(plan.structural_tag))
+    return StructuredRequest(params, {"structured_outputs": "tools", "structured_outputs.structural_tag": "tools"})
 
 
 def apply_plan(params: SamplingParams, plan: ToolPlan) -> SamplingParams:

@@ -106,6 +106,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--min-tokens", action=argparse.BooleanOptionalAction, default=False,
                    help="also send min_tokens = max_tokens, for servers that take it but not ignore_eos (default: off)")
     g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+    g.add_argument("--extra-body", default=None, metavar="JSON",
+                   help="a JSON object merged into every request's body, e.g. '{\"response_format\": {...}}' "
+                   "(default: none)")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts, output lengths and arrivals (default: %(default)s)")
 
     g = p.add_argument_group("load", "Each concurrency (and each rate) is one level; levels run in turn.")

@@ -30,6 +30,7 @@ class SamplingOptions:
     ignore_eos: bool = True
     send_min_tokens: bool = False  # min_tokens = max_tokens; vLLM and servelm accept it, OpenAI does not
     temperature: float | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into each body (a response_format, ...)
 
 
 @dataclass
@@ -52,7 +53,7 @@ class RequestResult:
 
 
 def request_body(endpoint: str, model: str, req: BenchRequest, options: SamplingOptions) -> dict[str, Any]:
-    """The JSON body of ``req``: streamed, with usage, ``max_tokens`` = its output length."""
+    """The JSON body of ``req``: streamed, with usage, ``max_tokens`` = its output length, plus ``extra_body``."""
     body: dict[str, Any] = {"model": model}
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
@@ -65,6 +66,7 @@ def request_body(endpoint: str, model: str, req: BenchRequest, options: Sampling
         body["min_tokens"] = req.output_len
     if options.temperature is not None:
         body["temperature"] = options.temperature
+    body.update(options.extra_body)
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
     return body

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ class BenchConfig:
     ignore_eos: bool = True
     min_tokens: bool = False
     temperature: float | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     levels: list[Level] = field(default_factory=lambda: [Level(1, None)])
     warmup: int = 0
@@ -87,6 +89,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         slos = parse_slos(args.goodput or [])
     except ValueError as exc:
         raise ValueError(f"--goodput: {exc}") from None
+    extra_body = {}
+    if args.extra_body is not None:
+        try:
+            extra_body = json.loads(args.extra_body)
+        except ValueError as exc:
+            raise ValueError(f"--extra-body: not valid JSON: {exc}") from None
+        if not isinstance(extra_body, dict):
+            raise ValueError("--extra-body: must be a JSON object")
     rates: list[float | None] = list(args.request_rate) if args.request_rate else [None]
     concurrencies: list[int | None] = list(args.concurrency) if args.concurrency else [1 if args.request_rate is None else None]
     levels = [Level(c, r) for r in rates for c in concurrencies]
@@ -110,6 +120,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ignore_eos=args.ignore_eos,
         min_tokens=args.min_tokens,
         temperature=args.temperature,
+        extra_body=extra_body,
         seed=args.seed,
         levels=levels,
         warmup=args.warmup,

@@ -122,7 +122,8 @@ async def run_session(config: BenchConfig, out: TextIO | None = None, err: TextI
         note(f"{config.base_url} model {model}, /v1/{'chat/completions' if config.endpoint == 'chat' else 'completions'}, {source}")
 
         rng = random.Random(config.seed)
-        options = SamplingOptions(ignore_eos=config.ignore_eos, send_min_tokens=config.min_tokens, temperature=config.temperature)
+        options = SamplingOptions(ignore_eos=config.ignore_eos, send_min_tokens=config.min_tokens,
+                                  temperature=config.temperature, extra_body=config.extra_body)
 
         async def send(req: BenchRequest) -> RequestResult:
             return await send_request(client, config.endpoint, model, req, options, config.timeout)

@@ -178,7 +178,7 @@ class LocalConnector:
         except PromptTooLongError as exc:
             raise ContextLengthExceeded(str(exc), param="prompt") from None
         except SamplingParamsError as exc:
-            raise ConnectorError(str(exc), param=exc.param) from None
+            raise ConnectorError(str(exc), param=exc.param, code=exc.code) from None
         except InvalidPromptError as exc:
             raise ConnectorError(str(exc), param="prompt") from None
         except EngineDeadError as exc:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from servelm.engine.llm_engine import LLMEngine
 from servelm.engine.off_loop import run_sized
@@ -45,8 +46,8 @@ class AsyncLLMEngine:
         self._idle_wait_s = idle_wait_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        # (request id, prompt ids, prompt text, params, arrival time)
-        self._inbox: list[tuple[str, list[int], str | None, SamplingParams, float]] = []
+        # (request id, prompt ids, prompt text, params, compiled grammar, arrival time)
+        self._inbox: list[tuple[str, list[int], str | None, SamplingParams, Any, float]] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._stop = False
@@ -84,9 +85,9 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs of one request; the last has ``finished=True``.
 
-        Validation errors (prompt too long, empty, ...) raise before the
-        first output. Leaving the loop early (or being cancelled) aborts the
-        request in the engine.
+        Validation errors (prompt too long, empty, a structured-output spec
+        that does not compile, ...) raise before the first output. Leaving
+        the loop early (or being cancelled) aborts the request in the engine.
         """
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
@@ -94,13 +95,14 @@ class AsyncLLMEngine:
         # tokenizer is safe to share); a token list is already bounded by the context.
         size = len(prompt) if isinstance(prompt, str) else 0
         token_ids = await run_sized(size, self.engine.prepare_prompt, prompt, params)
+        grammar = await self._compile_grammar(params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
             text = prompt if isinstance(prompt, str) else None
-            self._inbox.append((request_id, token_ids, text, params, time.monotonic()))
+            self._inbox.append((request_id, token_ids, text, params, grammar, time.monotonic()))
         self._wake.set()
         finished = False
         try:
@@ -118,6 +120,21 @@ class AsyncLLMEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def _compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar (None without one): from the cache, or compiled in a worker thread.
+
+        Compiling before the request enters the engine keeps the engine loop
+        stepping the other requests meanwhile.
+        """
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        grammars = self.engine.grammars
+        grammar = grammars.cached(spec)
+        if grammar is None:
+            grammar = await asyncio.to_thread(grammars.compile, spec)
+        return grammar
 
     def abort(self, request_id: str) -> None:
         """Abort a request; the engine frees its KV blocks before its next step."""
@@ -151,10 +168,11 @@ class AsyncLLMEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
-        for request_id, token_ids, prompt, params, arrival in inbox:
+        for request_id, token_ids, prompt, params, grammar, arrival in inbox:
             try:
                 self.engine.add_request(
-                    request_id, prompt if prompt is not None else token_ids, params, token_ids, arrival_time=arrival
+                    request_id, prompt if prompt is not None else token_ids, params, token_ids,
+                    arrival_time=arrival, grammar=grammar,
                 )
             except Exception as exc:  # noqa: BLE001 - reported to that request only
                 self._deliver(request_id, exc)

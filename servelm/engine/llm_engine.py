@@ -9,11 +9,14 @@ from __future__ import annotations
 import logging
 import time
 from itertools import count
+from typing import TYPE_CHECKING
 
 from servelm.engine.block_manager import BlockManager
 from servelm.engine.config import EngineConfig
 from servelm.engine.context_limit import context_length_error
-from servelm.engine.model_runner import ModelRunner
+from servelm.engine.grammar_compiler import GrammarCompiler
+from servelm.engine.grammar_matcher import GrammarMatcher
+from servelm.engine.model_runner import ModelRunner, StepResult
 from servelm.engine.output_processor import OutputProcessor
 from servelm.engine.outputs import EngineStats, RequestOutput
 from servelm.engine.sampler import SamplingState, make_generator
@@ -21,6 +24,9 @@ from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import Sequence
 from servelm.engine.vocabulary import vocabulary_error
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,10 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        # Structured outputs: compiles (and caches) each request's grammar; thread-safe.
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.runner.model_config.vocab_size, self.tokenizer.eos_token_ids
+        )
         # The request registry: each request's sequences, each sequence's sampling state,
         # and the sequence whose prefill reports prompt logprobs (k of them).
         self._requests: dict[str, list[Sequence]] = {}
@@ -106,15 +116,27 @@ class LLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
-        """Queue a request; its ``best_of`` sequences start at the next step."""
+        """Queue a request; its ``best_of`` sequences start at the next step.
+
+        ``grammar`` is ``params.structured_outputs`` compiled by
+        ``self.grammars`` (the async engine compiles it in a worker thread
+        first); when it is None for a constrained request it is compiled
+        here, blocking.
+        """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if prompt_token_ids is None:
             prompt_token_ids = self.prepare_prompt(prompt, params)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         max_tokens = self._max_tokens(len(prompt_token_ids), params)
-        eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        # A grammar allows EOS only where it ends, and nothing else once it must: there
+        # EOS ends the sequence even under ignore_eos.
+        keep_eos = not params.ignore_eos or grammar is not None
+        eos = frozenset(self.tokenizer.eos_token_ids) if keep_eos else frozenset()
         seqs = []
         for index in range(params.best_of):
             seq = Sequence(
@@ -139,6 +161,7 @@ class LLMEngine:
                 num_prompt_tokens=seq.num_prompt_tokens,
                 generator=make_generator(seed, self.runner.device),
                 eos_token_ids=set(eos),
+                grammar=None if grammar is None else GrammarMatcher(grammar, eos | seq.stop_token_ids),
             )
             seqs.append(seq)
         self._requests[request_id] = seqs
@@ -225,8 +248,10 @@ class LLMEngine:
             ids = list(dict.fromkeys(s.seq.request_id for s in scheduled))
             logger.exception("engine step failed; failing requests %s", ", ".join(ids))
             return self.fail_requests(ids)
+        self._advance_grammars(result)
         self.scheduler.update_from_output(out, {seq_id: s.token_id for seq_id, s in result.sampled.items()})
-        # Sequences whose own sampling failed (the runner isolates them): only their requests fail.
+        # Sequences whose own sampling failed (the runner isolates them, or their grammar
+        # refused the token): only their requests fail.
         request_of = {s.seq.seq_id: s.seq.request_id for s in scheduled}
         failed = list(dict.fromkeys(request_of[seq_id] for seq_id in result.failed))
         outputs = self.fail_requests(failed)
@@ -235,3 +260,17 @@ class LLMEngine:
             if output.finished:
                 self._forget(output.request_id)
         return outputs
+
+    def _advance_grammars(self, result: StepResult) -> None:
+        """Advance each constrained sequence's matcher over its sampled token (never over a recompute).
+
+        A token its grammar refuses is taken out of ``result.sampled`` and the
+        sequence counted as failed: the sampler only picks allowed tokens, so
+        this takes NaN logits on every one of them.
+        """
+        for seq_id, sampled in list(result.sampled.items()):
+            grammar = self._sampling[seq_id].grammar
+            if grammar is not None and not grammar.accept(sampled.token_id):
+                logger.error("sequence %d sampled token %d, which its grammar does not allow", seq_id, sampled.token_id)
+                del result.sampled[seq_id]
+                result.failed.append(seq_id)

@@ -1,12 +1,17 @@
 """Turn one row of logits per sequence into one sampled token per sequence.
 
 The order of processing follows vLLM: raw logprobs are taken first (they are
-what the client sees), then logit_bias, the min_tokens ban on EOS and stop
-tokens, the allowed-token mask (the hook for structured output),
-repetition penalty, frequency/presence penalties; greedy rows then take the
-argmax and the others go through temperature, top-k, top-p and min-p before
-a random draw. Every stage works on the whole batch (or on the rows that
-need it) at once, and is skipped when no row needs it.
+what the client sees), then the grammar's token bitmask (structured
+outputs), logit_bias, the min_tokens ban on EOS and stop tokens, repetition
+penalty, frequency/presence penalties; greedy rows then take the argmax and
+the others go through temperature, top-k, top-p and min-p before a random
+draw. Every stage works on the whole batch (or on the rows that need it) at
+once, and is skipped when no row needs it.
+
+A grammar is a hard constraint, the other stages are not: a row whose
+stages leave no token (min_tokens banning the only end the grammar allows,
+a logit_bias of -100 on its only choice) falls back to the best token its
+grammar allows, never to one it forbids.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from servelm.engine.grammar_matcher import TokenBitmaskFiller, mask_logits
 from servelm.engine.sampling_params import SamplingParams
 
 # How many of the most likely tokens top-p looks at before sorting a whole row.
@@ -40,7 +46,7 @@ class SamplingState:
     num_prompt_tokens: int
     generator: torch.Generator | None
     eos_token_ids: set[int]  # banned, with params.stop_token_ids, while fewer than min_tokens were generated
-    allowed_token_mask: torch.Tensor | None = None  # bool[vocab]; False bans the token
+    grammar: TokenBitmaskFiller | None = None  # structured outputs: the tokens its grammar allows next
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -98,8 +104,10 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(states)} sampling states")
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = apply_logits_processors(logits, states)
-        token_ids = _choose(processed, logits, states)
+        allowed = mask_logits(logits, [s.grammar for s in states])
+        processed = apply_logits_processors(allowed, states)
+        # The fallback of a row left with no token is its grammar's best, not the raw argmax.
+        token_ids = _choose(processed, allowed, states)
         chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
         return SamplerOutput(
             token_ids=token_ids.tolist(),
@@ -113,7 +121,6 @@ def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -
     vocab = logits.shape[1]
     bias_rows, bias_cols, bias_vals = [], [], []
     ban_rows, ban_cols = [], []
-    mask_rows, masks = [], []
     penalty_rows = []
     for i, s in enumerate(states):
         p = s.params
@@ -126,12 +133,9 @@ def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -
             banned = [t for t in s.eos_token_ids | set(p.stop_token_ids) if 0 <= t < vocab]
             ban_rows += [i] * len(banned)
             ban_cols += banned
-        if s.allowed_token_mask is not None:
-            mask_rows.append(i)
-            masks.append(s.allowed_token_mask)
         if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             penalty_rows.append(i)
-    if not (bias_rows or ban_rows or mask_rows or penalty_rows):
+    if not (bias_rows or ban_rows or penalty_rows):
         return logits
 
     dev = logits.device
@@ -141,10 +145,6 @@ def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -
         x.index_put_(index, torch.tensor(bias_vals, device=dev), accumulate=True)
     if ban_rows:
         x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_cols, device=dev)] = float("-inf")
-    if mask_rows:
-        rows = torch.tensor(mask_rows, device=dev)
-        allowed = torch.stack([m.to(dev) for m in masks])
-        x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
     if penalty_rows:
         rows = torch.tensor(penalty_rows, device=dev)
         sub = [states[i] for i in penalty_rows]
@@ -219,8 +219,9 @@ def _choose(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> 
 def greedy_tokens(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, ignoring NaN; a row with nothing above -inf takes ``raw``'s argmax.
 
-    ``x`` holds processed logits and ``raw`` the model's. A row whose
-    processing left no finite choice (every token banned, or NaN from a
+    ``x`` holds processed logits and ``raw`` the model's (with a grammar's
+    bitmask applied, for constrained rows). A row whose processing left no
+    finite choice (every token banned, or NaN from a
     degenerate model output) still gets a valid token id rather than an
     error that would fail the whole batch.
     """

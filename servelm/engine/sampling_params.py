@@ -9,6 +9,8 @@ import numbers
 import struct
 from dataclasses import dataclass, field
 
+from servelm.engine.params_error import SamplingParamsError
+from servelm.engine.structured_outputs import StructuredOutputsParams
 from servelm.engine.tool_parsers.registry import FORMATS
 
 # The sampler computes in float32: a parameter must survive that conversion.
@@ -40,14 +42,6 @@ def _json(value: object) -> str:
         return json.dumps(str(value))
 
 
-class SamplingParamsError(ValueError):
-    """An invalid sampling parameter. ``param`` names the offending field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
 @dataclass
 class SamplingParams:
     """How to sample one request's completions.
@@ -77,6 +71,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # likewise for prompt tokens (echo)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
     # The tool-call format to read the text in (servelm.engine.tool_parsers): each
     # choice's text is then split into content and tool calls. None: plain text.
     tool_call_parser: str | None = None
@@ -152,6 +147,8 @@ class SamplingParams:
             bad("logit_bias", "values must be in [-100, 100]")
         if self.tool_call_parser is not None and self.tool_call_parser not in FORMATS:
             bad("tool_call_parser", f"must be one of {', '.join(FORMATS)}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise :class:`SamplingParamsError` for a token id outside ``[0, vocab_size)``.

@@ -74,6 +74,11 @@ async def model_not_supported() -> httpx.Response:
     return await _call(FakeConnector(), "POST", "/v1/chat/completions", {**CHAT, "model": "fake-embed"})
 
 
+async def invalid_structured_output() -> httpx.Response:
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}
+    return await _call(FakeConnector(), "POST", "/v1/chat/completions", {**CHAT, "response_format": schema})
+
+
 async def bad_key() -> httpx.Response:
     return await _call(FakeConnector(), "POST", "/v1/chat/completions", CHAT,
                        headers={"authorization": "Bearer wrong"}, api_keys=["right"])
@@ -153,6 +158,7 @@ PRODUCERS: dict[str, tuple[Producer, int, str, str | None]] = {
     "invalid json": (invalid_json, 400, "invalid_request_error", "invalid_json"),
     "context too long": (context_too_long, 400, "invalid_request_error", "context_length_exceeded"),
     "model not supported": (model_not_supported, 400, "invalid_request_error", "model_not_supported"),
+    "invalid structured output": (invalid_structured_output, 400, "invalid_request_error", "invalid_structured_output"),
     "bad key": (bad_key, 401, "invalid_request_error", "invalid_api_key"),
     "unknown model": (unknown_model, 404, "invalid_request_error", "model_not_found"),
     "unknown route": (unknown_route, 404, "invalid_request_error", "unknown_url"),

@@ -71,8 +71,8 @@ async def test_an_integer_is_a_number(client):
 
 
 async def test_messages_print_values_as_json(client):
-    schema = {"type": "json_schema", "strict": True}
-    r = await client.post("/v1/chat/completions", json={**CHAT, "response_format": schema})
+    options = {"search_context_size": "low", "strict": True}
+    r = await client.post("/v1/chat/completions", json={**CHAT, "web_search_options": options})
     err = error_of(r)
     assert '"strict": true' in err["message"] and "True" not in err["message"]
     r = await client.post("/v1/embeddings", json={"model": "fake-embed", "input": "x", "encoding_format": "hex"})

@@ -131,21 +131,54 @@ async def test_tool_choice_none_offers_the_tools_but_never_parses(client, fake):
     assert fake.template_calls[0]["tools"] == [WEATHER]
 
 
-async def test_a_named_function_ends_with_stop_as_openai_does(client, fake):
+def forcing_grammar(fake) -> dict:
+    """The structural tag the request's params force its reply with."""
+    structured = fake.generate_calls[-1][3].structured_outputs
+    assert structured is not None and structured.kind == "structural_tag"
+    return json.loads(structured.structural_tag)
+
+
+async def test_a_named_function_is_forced_and_ends_with_stop_as_openai_does(client, fake):
     fake.reply_text = CALL_TEXT
     r = await chat(client, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     choice = r.json()["choices"][0]
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert choice["finish_reason"] == "stop"
+    # One call of that function only (the grammar itself is tested with xgrammar in tests/engine).
+    assert forcing_grammar(fake) == get_format("hermes").structural_tag(
+        [("get_weather", WEATHER["function"]["parameters"])], one_call=True)
 
 
-async def test_required_ends_with_tool_calls(client, fake):
+async def test_required_is_forced_and_ends_with_tool_calls(client, fake):
     fake.reply_text = CALL_TEXT
-    r = await chat(client, tools=[WEATHER], tool_choice="required")
+    r = await chat(client, tools=[WEATHER, TIME], tool_choice="required")
     assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    no_parameters = {"type": "object", "properties": {}}
+    functions = [("get_weather", WEATHER["function"]["parameters"]), ("get_time", no_parameters)]
+    assert forcing_grammar(fake) == get_format("hermes").structural_tag(functions, one_call=False)
+    await chat(client, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    assert forcing_grammar(fake) == get_format("hermes").structural_tag(functions, one_call=True)
     events = chunks((await chat(client, tools=[WEATHER], tool_choice="required", stream=True)).text)
     # A reply forced to be calls opens without content.
     assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
+
+
+async def test_auto_and_none_are_not_forced(client, fake):
+    for choice in ("auto", "none"):
+        await chat(client, tools=[WEATHER], tool_choice=choice)
+        assert fake.generate_calls[-1][3].structured_outputs is None
+
+
+async def test_a_grammar_the_engine_cannot_compile_names_tools(fake):
+    from servelm.connectors.base import ConnectorError
+
+    fake.raise_on_start = ConnectorError("structured_outputs.structural_tag is not a valid structural tag",
+                                         param="structured_outputs.structural_tag", code="invalid_structured_output")
+    async with make_client(make_app(fake)) as client:
+        r = await chat(client, tools=[WEATHER], tool_choice="required")
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": "tools is not a valid structural tag", "type": "invalid_request_error",
+                                 "param": "tools", "code": "invalid_structured_output"}
 
 
 async def test_parallel_tool_calls_false_keeps_the_first_call(client, fake):
@@ -222,6 +255,10 @@ async def test_a_tool_result_round_trips_to_the_template(client, fake):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
          "tools[0].function.parameters"),
         ({"tools": [TIME], "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [TIME, {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}], "tool_choice": "required"},
+         "tools[1].function.parameters"),
         ({"messages": [{"role": "tool", "content": "21 C"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [
             {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),

@@ -177,6 +177,8 @@ def test_help(capsys):
         (["--prompt-file", "/nonexistent/prompts.txt"], "--prompt-file"),
         (["--prompt-file", __file__, "--input-len", "8"], "--input-len"),
         (["--base-url", "127.0.0.1:8000"], "--base-url"),
+        (["--extra-body", "{oops"], "--extra-body"),
+        (["--extra-body", "[1]"], "--extra-body"),
         ([], "the following arguments are required"),
     ],
 )

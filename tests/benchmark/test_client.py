@@ -52,6 +52,10 @@ def test_request_body_for_each_endpoint():
     assert chat["messages"] == [{"role": "user", "content": "hi"}]
     assert chat["max_tokens"] == 9 and chat["min_tokens"] == 9 and chat["temperature"] == 0.0
     assert "ignore_eos" not in chat and "prompt" not in chat
+    extra = {"response_format": {"type": "json_object"}, "max_tokens": 2, "stream": False}
+    body = request_body("chat", "m", BenchRequest("hi", None, 9), SamplingOptions(extra_body=extra))
+    assert body["response_format"] == {"type": "json_object"} and body["max_tokens"] == 2
+    assert body["stream"] is True  # the benchmark reads a stream, whatever the extra body says
 
 
 async def test_completion_stream_with_usage_counts_tokens_from_usage():

@@ -18,6 +18,7 @@ from servelm.connectors.ray_router import PrefixTable, prefix_keys
 from servelm.connectors.ray_stats import STALE_AFTER_S, DeploymentStats
 from servelm.engine.outputs import CompletionOutput, RequestOutput
 from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.structured_outputs import StructuredOutputsParams
 from servelm.settings import Settings
 
 # --- prefix keys and the table -------------------------------------------------
@@ -104,8 +105,9 @@ class FakeReplicas:
             yield [_out([tok], f" t{tok}", i == total - 1, prompt if i == 0 else [], i + 1)]
 
 
-async def _collect(replicas: FakeReplicas, max_tokens: int = 6):
-    request = {"request_id": "r", "prompt": [1, 2, 3], "params": SamplingParams(max_tokens=max_tokens, temperature=0)}
+async def _collect(replicas: FakeReplicas, max_tokens: int = 6, **params):
+    request = {"request_id": "r", "prompt": [1, 2, 3],
+               "params": SamplingParams(max_tokens=max_tokens, temperature=0, **params)}
     outs = []
     async for out in resumable_stream(request, replicas.open, lambda e: isinstance(e, ReplicaDied)):
         outs.append(out)
@@ -151,6 +153,21 @@ async def test_more_than_three_migrations_fail_with_replica_failed():
         await _collect(replicas, max_tokens=10)
     assert info.value.status == 503 and info.value.code == "replica_failed"
     assert len(replicas.requests) == MAX_MIGRATIONS + 1
+
+
+async def test_a_structured_output_is_resumed_only_before_its_first_token():
+    # Its grammar would start over at the resumed prompt's end, so the output could no longer follow it.
+    spec = StructuredOutputsParams(regex="[0-9]+")
+    replicas = FakeReplicas(die_after=[0])
+    outs = await _collect(replicas, structured_outputs=spec)
+    assert [t for o in outs for c in o.outputs for t in c.token_ids] == [100, 101, 102, 103, 104, 105]
+    assert replicas.requests[1]["prompt"] == [1, 2, 3]
+    assert replicas.requests[1]["params"].structured_outputs == spec
+    replicas = FakeReplicas(die_after=[2])
+    with pytest.raises(ConnectorError) as info:
+        await _collect(replicas, structured_outputs=spec)
+    assert info.value.code == "replica_failed" and "structured output" in info.value.message
+    assert len(replicas.requests) == 1
 
 
 async def test_request_errors_are_not_retried():

@@ -242,6 +242,18 @@ def test_completions_stream_matches_non_streamed(client):
     assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == whole.finish_reason
 
 
+def test_structured_output_reaches_the_engine_and_its_errors_come_back(client, http):
+    # Locally and through Ray replicas (the spec is pickled; the grammar compiles on the replica).
+    r = client.chat.completions.create(
+        model=CHAT_MODEL, messages=MESSAGES, max_tokens=10, temperature=0.7, seed=1,
+        extra_body={"guided_choice": ["Mars", "Venus"]},
+    )
+    assert r.choices[0].message.content in ("Mars", "Venus") and r.choices[0].finish_reason == "stop"
+    bad = http.post("/v1/chat/completions", json={"model": CHAT_MODEL, "messages": MESSAGES, "max_tokens": 5,
+                                                   "structured_outputs": {"grammar": "root ::= nowhere"}})
+    _assert_error(bad, 400, code="invalid_structured_output", param="structured_outputs.grammar")
+
+
 # --- embeddings --------------------------------------------------------------
 
 

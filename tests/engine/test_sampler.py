@@ -20,6 +20,8 @@ from servelm.engine.sampler import (
 )
 from servelm.engine.sampling_params import SamplingParams
 
+from .token_masks import FixedTokenMask
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -31,7 +33,7 @@ def state(params: SamplingParams | None = None, *, prompt=(), output=(), eos=(),
         num_prompt_tokens=len(prompt),
         generator=make_generator(seed, device),
         eos_token_ids=set(eos),
-        allowed_token_mask=mask,
+        grammar=None if mask is None else FixedTokenMask(mask),
     )
 
 

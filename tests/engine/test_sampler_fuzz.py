@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from servelm.engine.sampler import Sampler, SamplingState, make_generator
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
 
+from .token_masks import FixedTokenMask
+
 VOCAB = 12
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
@@ -41,7 +43,7 @@ def _state(params: SamplingParams, *, seed: int | None = None, eos=(), mask=None
         num_prompt_tokens=3,
         generator=make_generator(seed, "cpu"),
         eos_token_ids=set(eos),
-        allowed_token_mask=mask,
+        grammar=None if mask is None else FixedTokenMask(mask),
     )
 
 
@@ -164,7 +166,19 @@ def test_a_degenerate_row_falls_back_to_its_greedy_token():
 
 def test_every_token_banned_still_gives_a_token():
     logits = torch.tensor([[0.0, 9.0, 1.0, 2.0]])
-    mask = torch.zeros(4, dtype=torch.bool)
-    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.3, seed=5)):
-        out = Sampler()(logits, [_state(params, mask=mask)])
+    for params in (SamplingParams(temperature=0.0, min_tokens=1),
+                   SamplingParams(temperature=1.0, top_p=0.3, seed=5, min_tokens=1)):
+        out = Sampler()(logits, [_state(params, eos=range(4))])  # min_tokens bans every "EOS"
         assert out.token_ids == [1]  # the model's own favourite: nothing else distinguishes the tokens
+
+
+def test_a_grammar_wins_over_the_stages_that_leave_no_token():
+    # The grammar allows only token 2 (say, the end where it must stop), and min_tokens bans it:
+    # the row falls back to the grammar's choice, never to the raw favourite (1) it forbids.
+    logits = torch.tensor([[0.0, 9.0, 1.0, 2.0]])
+    mask = torch.tensor([False, False, True, False])
+    for params in (SamplingParams(temperature=0.0, min_tokens=1),
+                   SamplingParams(temperature=1.0, top_p=0.3, seed=5, min_tokens=1),
+                   SamplingParams(temperature=0.0, logit_bias={2: -100.0})):
+        out = Sampler()(logits, [_state(params, eos={2}, mask=mask)])
+        assert out.token_ids == [2], params

@@ -1,0 +1,81 @@
+"""A sequence's grammar as a logits processor: its matcher, and the batch's token bitmask.
+
+Each constrained sequence holds a :class:`GrammarMatcher` over its compiled
+grammar. The engine advances it with every token the sequence accepts
+(never again on a recompute after preemption: the matcher's state is the
+output's, not the KV cache's). Each step the sampler asks
+:func:`mask_logits` to fill one bitmask row per constrained sequence and
+apply them to the batch's logits at once, with xgrammar's kernel; rows
+without a grammar cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import torch
+import xgrammar as xgr
+
+
+class TokenBitmaskFiller(Protocol):
+    """What the sampler needs from a constrained row: its allowed tokens, as one bitmask row."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (bit ``t % 32`` of word ``t // 32`` is token ``t``)."""
+        ...
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar.
+
+    ``stop_token_ids`` end the grammar: the bitmask allows them only where
+    the grammar can end, and nothing else there once it must.
+    """
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Iterable[int]):
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
+        self.num_accepted = 0
+
+    def accept(self, token_id: int) -> bool:
+        """Advance over a sampled token; False (and no change) when the grammar does not allow it."""
+        if not self._matcher.accept_token(token_id):
+            return False
+        self.num_accepted += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens, a retracted step)."""
+        if not 0 <= num_tokens <= self.num_accepted:
+            raise ValueError(f"cannot roll back {num_tokens} of {self.num_accepted} accepted tokens")
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
+
+    @property
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted: the grammar allows nothing more."""
+        return self._matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens the grammar allows next into ``bitmask[row]``."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def mask_logits(logits: torch.Tensor, masks: Sequence[TokenBitmaskFiller | None]) -> torch.Tensor:
+    """``logits`` with every token its row's mask disallows at -inf; ``logits`` itself when no row has one.
+
+    ``masks[i]`` is row ``i``'s mask, or None for an unconstrained row. The
+    result is a new tensor: the caller keeps the raw logits (for logprobs).
+    """
+    rows = [i for i, m in enumerate(masks) if m is not None]
+    if not rows:
+        return logits
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    for i in rows:
+        masks[i].fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+    masked = logits.clone()
+    xgr.apply_token_bitmask_inplace(
+        masked, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[1], indices=rows
+    )
+    return masked
