@@ -46,6 +46,7 @@ TIME = {
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+ASK_TIME = [{"role": "user", "content": "What time is it in Tokyo right now?"}]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def test_required_gives_valid_calls_ten_times_out_of_ten(client):
 def test_a_named_function_gives_one_valid_call_ten_times_out_of_ten(client):
     for attempt in range(10):
         reply = client.chat.completions.create(
-            model=CHAT_MODEL, messages=ASK, tools=TOOLS, temperature=0.7, max_tokens=96,
+            model=CHAT_MODEL, messages=ASK_TIME, tools=TOOLS, temperature=0.7, max_tokens=96,
             tool_choice={"type": "function", "function": {"name": "get_time"}},
         )
         choice = reply.choices[0]
@@ -148,17 +149,15 @@ def test_a_tool_result_round_trips(client, server):
     assert answer.usage.prompt_tokens == tokens["count"]
 
 
-def test_auto_may_answer_in_prose_and_stays_well_formed(client):
+def test_auto_lets_the_model_answer_in_prose(client):
+    # Offered tools it does not need, the bundled model answers this greeting in words, left as they are.
     reply = client.chat.completions.create(
         model=CHAT_MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=TOOLS, temperature=0,
         max_tokens=24,
     )
     choice = reply.choices[0]
-    if choice.message.tool_calls:
-        assert choice.finish_reason == "tool_calls"
-        assert all(c.function.name for c in choice.message.tool_calls)
-    else:
-        assert choice.message.content and choice.finish_reason in ("stop", "length")
+    assert choice.message.tool_calls is None and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
 
 
 # --- LangChain --------------------------------------------------------------------
@@ -192,7 +191,8 @@ def test_langchain_bind_tools(chat_model):
     assert answer.content or answer.tool_calls
 
 
-def test_langchain_with_structured_output_by_function_calling(chat_model):
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])  # LangChain's default, then by tools
+def test_langchain_with_structured_output(chat_model, method):
     from pydantic import BaseModel
 
     class Weather(BaseModel):
@@ -201,6 +201,6 @@ def test_langchain_with_structured_output_by_function_calling(chat_model):
         city: str
         temperature_celsius: int
 
-    structured = chat_model.with_structured_output(Weather, method="function_calling")
+    structured = chat_model.with_structured_output(Weather, method=method)
     result = structured.invoke("Paris has 18 degrees today. Describe the weather.")
     assert isinstance(result, Weather)
