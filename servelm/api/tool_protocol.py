@@ -38,6 +38,8 @@ class ToolDefinition(RequestModel):
 
 
 class FunctionName(RequestModel):
+    """The function a named ``tool_choice`` calls."""
+
     SCAN_TEXT: ClassVar[bool] = False
 
     name: str

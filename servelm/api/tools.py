@@ -74,6 +74,10 @@ def tool_format(setting: str, chat_template_override: str | None, card: ModelCar
 def tool_definitions(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
     """The definitions as the chat template gets them (None for none); a 400 naming the first bad field."""
     _functions(tools)
+    return _definitions(tools)
+
+
+def _definitions(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
     return [t.model_dump(exclude_none=True, exclude={"custom"}) for t in tools] if tools else None
 
 
@@ -88,13 +92,12 @@ def plan_tools(req: ChatCompletionRequest, fmt: str) -> ToolPlan:
         if choice != "none":
             raise APIError("tool_choice is only allowed when tools are given.", status=400, param="tool_choice")
         return ToolPlan()
-    definitions = tool_definitions(tools)
+    definitions = _definitions(tools)
     if choice == "none":
         return ToolPlan(tools=definitions)
     one_call = req.parallel_tool_calls is False
     if choice == "auto":
         return ToolPlan(tools=definitions, parser=fmt, one_call=one_call)
-    named = isinstance(choice, NamedToolChoice)
     if isinstance(choice, NamedToolChoice):
         wanted = choice.function.name
         if wanted not in functions:
@@ -103,10 +106,9 @@ def plan_tools(req: ChatCompletionRequest, fmt: str) -> ToolPlan:
                 status=400,
                 param="tool_choice",
             )
-        forced = [(wanted, functions[wanted])]
-        one_call = True
+        forced, one_call, named = [(wanted, functions[wanted])], True, True
     else:  # "required"
-        forced = list(functions.items())
+        forced, named = list(functions.items()), False
     names = list(functions)
     for name, schema in forced:
         problem = unenforced_keyword(schema)
