@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from servelm.api.errors import ServerShuttingDown
+from servelm.connectors.base import ConnectorError
 
 from .conftest import make_app, make_client
 from .fake_connector import FakeConnector
@@ -151,6 +152,14 @@ async def engine_dead() -> httpx.Response:
     return await _call(FakeConnector(healthy=False, fatal="the engine loop died"), "POST", "/v1/chat/completions", CHAT)
 
 
+async def replica_failed() -> httpx.Response:
+    # How the Ray connector gives up on a request (tests/connectors/test_ray_front_end.py
+    # produces it through the connector itself).
+    error = ConnectorError("The request lost its engine replica 4 times; giving up.", status=503,
+                           type="service_unavailable_error", code="replica_failed")
+    return await _call(FakeConnector(raise_on_start=error), "POST", "/v1/chat/completions", CHAT)
+
+
 # (status, type, code) each producer must give.
 PRODUCERS: dict[str, tuple[Producer, int, str, str | None]] = {
     "invalid field": (invalid_field, 400, "invalid_request_error", None),
@@ -173,6 +182,7 @@ PRODUCERS: dict[str, tuple[Producer, int, str, str | None]] = {
     "not ready": (not_ready, 503, "service_unavailable_error", "model_not_ready"),
     "shutting down": (shutting_down, 503, "service_unavailable_error", "server_shutting_down"),
     "engine dead": (engine_dead, 503, "service_unavailable_error", "engine_dead"),
+    "replica failed": (replica_failed, 503, "service_unavailable_error", "replica_failed"),
 }
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
 from tests.e2e.conftest import ServerProcess
 
-from .conftest import WAIT_S, metric, wait_for
+from .conftest import ARTIFACTS, WAIT_S, metric, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.model]
 
@@ -80,6 +81,49 @@ def test_a_finished_reply_shows_ttft_speed_and_token_count_and_can_be_regenerate
 
     page.get_by_role("button", name="New chat").click()
     expect(page.locator(".msg")).to_have_count(0)
+
+
+def test_the_model_picker_and_settings_go_into_the_request_and_copy_copies_the_reply(page: Page, server: ServerProcess):
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+    served = [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=WAIT_S).json()["data"]]
+    open_chat(page, server)
+    expect(page.locator("#model option")).to_have_text(served)  # the picker lists /v1/models
+
+    sent: list[dict] = []
+
+    def record(route) -> None:
+        sent.append(route.request.post_data_json)
+        route.continue_()  # on to the real server
+
+    page.route("**/v1/chat/completions", record)
+    page.get_by_text("Settings").click()
+    page.get_by_label("System prompt").fill("You answer in one word.")
+    page.get_by_label("Temperature").fill("0")
+    page.get_by_label("top_p").fill("0.5")
+    page.get_by_label("max_tokens").fill("5")
+    page.get_by_label("Message").fill("Name a colour.")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator(".msg.assistant .stats")).to_contain_text("tokens", timeout=TIMEOUT_MS)
+
+    assert len(sent) == 1
+    body = sent[0]
+    assert body["model"] == served[0] and body["stream"] is True
+    assert body["messages"] == [{"role": "system", "content": "You answer in one word."},
+                                {"role": "user", "content": "Name a colour."}]
+    assert (body["temperature"], body["top_p"], body["max_tokens"]) == (0, 0.5, 5)
+
+    # Copy puts the reply's text (its markdown source) on the clipboard.
+    stored = page.evaluate("JSON.parse(localStorage.getItem('servelm.chat')).messages.at(-1).content")
+    assert stored.strip()
+    page.get_by_role("button", name="Copy").click()
+    wait_for(lambda: page.evaluate("navigator.clipboard.readText()") == stored, "the reply on the clipboard")
+
+    # The settings are kept with the conversation across a reload.
+    page.reload()
+    expect(page.get_by_label("System prompt")).to_have_value("You answer in one word.")
+    expect(page.get_by_label("Temperature")).to_have_value("0")
+    expect(page.get_by_label("top_p")).to_have_value("0.5")
+    expect(page.get_by_label("max_tokens")).to_have_value("5")
 
 
 def test_shift_enter_is_a_new_line_and_enter_sends(page: Page, server: ServerProcess):
@@ -163,20 +207,22 @@ def test_the_page_works_at_phone_width(browser, server: ServerProcess, request):
         assert page.evaluate("document.documentElement.scrollWidth") <= 390
         expect(page.get_by_label("Message")).to_be_visible()
     finally:
-        from .conftest import ARTIFACTS
-
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), timeout=TIMEOUT_MS)
         context.close()
 
 
-def test_dark_and_light_follow_the_system(browser, server: ServerProcess):
+def test_dark_and_light_follow_the_system(browser, server: ServerProcess, request):
+    ARTIFACTS.mkdir(exist_ok=True)
     colours = {}
     for scheme in ("light", "dark"):
         context = browser.new_context(color_scheme=scheme)
         page = context.new_page()
-        page.goto(server.url + "/")
-        colours[scheme] = page.evaluate("getComputedStyle(document.body).backgroundColor")
-        context.close()
+        try:
+            page.goto(server.url + "/")
+            colours[scheme] = page.evaluate("getComputedStyle(document.body).backgroundColor")
+        finally:
+            page.screenshot(path=str(ARTIFACTS / f"{request.node.name}_{scheme}.png"), timeout=TIMEOUT_MS)
+            context.close()
     assert colours["light"] == "rgb(255, 255, 255)"
     assert colours["dark"] != colours["light"]

@@ -285,3 +285,18 @@ def test_an_unreachable_ray_address_exits_2_at_once():
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)
     assert result.returncode == 2, result.stderr
     assert f"cannot reach the Ray cluster at 127.0.0.1:{port}" in result.stderr
+
+
+def test_an_address_where_no_ray_cluster_answers_exits_2():
+    # Something listens (the TCP check passes) but never speaks Ray: Ray's own
+    # retries would take minutes; the server gives up after its join timeout.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)  # the kernel completes connections; nobody ever answers them
+        port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "servelm", "serve", "--embedding-model", "none", "--port", "0",
+               "--ray-address", f"127.0.0.1:{port}"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"could not join the Ray cluster at 127.0.0.1:{port}" in result.stderr

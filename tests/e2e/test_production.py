@@ -298,19 +298,26 @@ def test_sigterm_drains_then_exits_0():
 
 
 # Runs the real CLI after patching the engine so that a request asking for
-# exactly 13 tokens crashes the engine loop itself (not just one step).
+# exactly 13 tokens crashes the engine loop itself (not just one step). Only
+# the engine's public methods are wrapped, so its internals may change.
 _CRASHING_ENGINE = """
 import sys
 from servelm import cli
 from servelm.engine import llm_engine
 
-real_step = llm_engine.LLMEngine.step
+real_add, real_step = llm_engine.LLMEngine.add_request, llm_engine.LLMEngine.step
+
+def add_request(self, request_id, prompt, params, *args, **kwargs):
+    if params.max_tokens == 13:
+        self.crash_next_step = True
+    return real_add(self, request_id, prompt, params, *args, **kwargs)
 
 def step(self):
-    if any(r.params.max_tokens == 13 for r in self.requests.values()):
+    if getattr(self, "crash_next_step", False):
         raise SystemError("injected: the engine loop crashed")
     return real_step(self)
 
+llm_engine.LLMEngine.add_request = add_request
 llm_engine.LLMEngine.step = step
 sys.exit(cli.main(sys.argv[1:]))
 """

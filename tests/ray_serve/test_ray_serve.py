@@ -7,6 +7,7 @@ never on a sleep or a time; traffic goes to 127.0.0.1 only and is bounded.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -176,7 +177,7 @@ def test_disconnected_streams_free_every_replica(ray_deployment):
     assert all(r["running"] == 0 and r["kv_cache_usage"] == 0.0 for r in rows if r["state"] == "RUNNING")
 
 
-def test_a_killed_replica_loses_no_stream_and_comes_back(ray_deployment):
+def test_a_killed_replica_loses_no_stream_and_comes_back(ray_deployment, caplog):
     url = ray_deployment.url
     bodies = [
         {
@@ -206,6 +207,8 @@ def test_a_killed_replica_loses_no_stream_and_comes_back(ray_deployment):
     def run(body):
         return _stream_text(url, body, on_event=lambda: first_events.append(1))
 
+    # The front end runs in this process: its log says which streams it resumed.
+    caplog.set_level(logging.WARNING, logger="servelm.connectors.ray_resume")
     with ThreadPoolExecutor(20) as pool:
         futures = [pool.submit(run, b) for b in bodies]
         wait_for(lambda: len(first_events) >= 40 or all(f.done() for f in futures), TIMEOUT, "streams to start")
@@ -217,6 +220,9 @@ def test_a_killed_replica_loses_no_stream_and_comes_back(ray_deployment):
         assert not errors
         assert finish == "length"
         assert text == ref_text  # the same text as on a healthy deployment: nothing lost or repeated
+    # The kill cut streams mid-way (not after they ended): those were resumed on the other replica.
+    resumed = [r for r in caplog.records if "resuming on another replica" in r.getMessage()]
+    assert resumed, "no stream was running on the killed replica"
 
     def back():
         rows = _replicas(url)["data"]

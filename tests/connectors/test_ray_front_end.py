@@ -1,0 +1,227 @@
+"""The HTTP front end over the Ray connector, without a cluster: health, admission, replicas, metrics.
+
+The connector reads the replicas' figures from the stats board the replicas
+push to (``ray_stats.py``); here the board is a list the test edits, and the
+deployment handle is an in-memory stand-in that answers the model list and
+streams a short reply. What is checked is the front end's view of a
+deployment: /health is 503 once no replica serves, ``--max-waiting`` counts
+the requests waiting on every replica, /v1/replicas and /metrics show each
+replica and their sum, and a request whose replicas keep dying is resumed
+three times, then gets docs/API.md's 503 ``replica_failed``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from servelm.api import create_app
+from servelm.connectors.base import ModelCard
+from servelm.connectors.ray import RayConnector
+from servelm.engine.outputs import CompletionOutput, RequestOutput
+from servelm.settings import Settings
+from tests.api.test_error_table import documented_rows
+
+MODEL = "fake-chat"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def snapshot(replica: str, *, running: int = 0, waiting: int = 0, kv: float = 0.0, state: str = "RUNNING",
+             age_s: float = 0.0) -> dict[str, Any]:
+    """One replica's entry on the stats board, as ``EngineReplica`` pushes it."""
+    return {
+        "replica": replica, "node_id": f"node-{replica}", "node_ip": "127.0.0.1", "pid": 100, "state": state,
+        "running": running, "waiting": waiting, "kv_cache_usage": kv, "received": time.time() - age_s,
+        "engines": [{"model": MODEL, "num_running": running, "num_waiting": waiting, "kv_cache_usage": kv,
+                     "prefix_cache_queries": 10, "prefix_cache_hits": 4, "num_preemptions": 0}],
+    }
+
+
+# What a replica whose engine loop died sends (LocalConnector's engine_dead error, as data).
+ENGINE_DEAD = {"error": {"message": "The engine is down.", "status": 503, "type": "service_unavailable_error",
+                         "code": "engine_dead", "param": None}}
+
+
+class FakeStream:
+    """What ``handle.options(stream=True).generate.remote`` returns: replica items, then the end.
+
+    A dying replica sends one token, then dies (its engine's ``engine_dead``).
+    """
+
+    def __init__(self, request: dict[str, Any], dying: bool):
+        self.request = request
+        self.dying = dying
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._items()
+
+    async def _items(self) -> AsyncIterator[Any]:
+        rid = self.request["request_id"]
+        if self.dying:
+            out = CompletionOutput(index=0, text="a", token_ids=[7])
+            yield [RequestOutput(rid, None, [1, 2, 3], [out], delta=True, num_generated_tokens=1)]
+            yield ENGINE_DEAD
+            return
+        out = CompletionOutput(index=0, text="ok", token_ids=[7, 8], finish_reason="length")
+        yield [RequestOutput(rid, None, [1, 2, 3], [out], finished=True, delta=True, num_generated_tokens=2)]
+
+    def cancel(self) -> None:
+        pass
+
+
+class FakeHandle:
+    """A ``DeploymentHandle`` stand-in: ``call`` answers one replica's methods, ``generate`` streams."""
+
+    def __init__(self) -> None:
+        self.generated: list[dict[str, Any]] = []
+        self.dying = False  # every replica dies one token into each stream
+        self.call = SimpleNamespace(remote=self._call)
+        self.generate = SimpleNamespace(remote=self._generate)
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        answers = {
+            "models": [ModelCard(MODEL, "generate", 256)],
+            "apply_chat_template": "<user>hi</user>",
+            "tokenize": [1, 2, 3],
+            "detokenize": "x",
+        }
+        return {"ok": answers[method]}
+
+    def options(self, **_: Any) -> FakeHandle:
+        return self
+
+    def _generate(self, request: dict[str, Any]) -> FakeStream:
+        self.generated.append(request)
+        return FakeStream(request, self.dying)
+
+
+@pytest.fixture
+async def deployment():
+    """(connector, board, handle): the board is the list of snapshots the connector reads."""
+    board: list[dict[str, Any]] = []
+
+    async def read() -> list[dict[str, Any]]:
+        return [dict(s) for s in board]
+
+    handle = FakeHandle()
+    connector = RayConnector(handle=handle, board_reader=read)
+    yield connector, board, handle
+    if connector._poller is not None:  # the background reader of the board
+        await connector._poller.stop()
+
+
+def client(connector: RayConnector, **settings: Any) -> httpx.AsyncClient:
+    # model_construct: the defaults, without reading SERVELM_* from the developer's shell.
+    app = create_app(connector, Settings.model_construct(**settings))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_health_is_200_while_one_replica_serves_and_503_when_none_does(deployment):
+    connector, board, _ = deployment
+    async with client(connector) as c:
+        await connector.refresh_stats()
+        assert (await c.get("/health")).status_code == 503  # no replica has reported yet
+
+        board[:] = [snapshot("a"), snapshot("b", state="DEAD")]
+        await connector.refresh_stats()
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+        # "a" falls silent (killed: it no longer reports) and "b" is still dead.
+        board[:] = [snapshot("a", age_s=60), snapshot("b", state="DEAD")]
+        await connector.refresh_stats()
+        r = await c.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 503 and r.headers["retry-after"]
+        states = {d["replica"]: d["state"] for d in (await c.get("/v1/replicas")).json()["data"]}
+        assert states == {"a": "UNRESPONSIVE", "b": "DEAD"}
+        assert (await c.get("/v1/replicas")).json()["serving"] == 0
+
+        board[:] = [snapshot("a2"), snapshot("b", state="DEAD")]  # Serve restarted it
+        await connector.refresh_stats()
+        assert (await c.get("/health")).status_code == 200
+
+
+async def test_max_waiting_counts_the_requests_waiting_on_every_replica(deployment):
+    connector, board, handle = deployment
+    async with client(connector, max_waiting=4) as c:
+        # 2 + 1 waiting: under the limit of 4, though each replica alone is far under it.
+        board[:] = [snapshot("a", running=8, waiting=2), snapshot("b", running=8, waiting=1)]
+        await connector.refresh_stats()
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert len(handle.generated) == 1
+
+        # 2 + 2 waiting: the cluster's queue is full, though neither replica's is.
+        board[:] = [snapshot("a", running=8, waiting=2), snapshot("b", running=8, waiting=2)]
+        await connector.refresh_stats()
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+        assert "4 requests are already waiting" in r.json()["error"]["message"]
+        assert len(handle.generated) == 1  # refused before any replica was asked
+
+        # A silent replica's queue no longer counts.
+        board[:] = [snapshot("a", waiting=2), snapshot("b", waiting=2, age_s=60)]
+        await connector.refresh_stats()
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
+async def test_replicas_and_metrics_show_each_replica_and_the_sum(deployment):
+    connector, board, _ = deployment
+    board[:] = [snapshot("a", running=3, waiting=1, kv=0.5), snapshot("b", running=1, kv=0.25)]
+    async with client(connector) as c:
+        await connector.refresh_stats()
+        body = (await c.get("/v1/replicas")).json()
+        assert body["serving"] == 2
+        rows = {d["replica"]: (d["state"], d["running"], d["waiting"], d["kv_cache_usage"]) for d in body["data"]}
+        assert rows == {"a": ("RUNNING", 3, 1, 0.5), "b": ("RUNNING", 1, 0, 0.25)}
+
+        m = samples((await c.get("/metrics")).text)
+    running = "servelm:num_requests_running"
+    assert m[(running, (("model_name", MODEL), ("replica", "a")))] == 3
+    assert m[(running, (("model_name", MODEL), ("replica", "b")))] == 1
+    assert m[(running, (("model_name", MODEL),))] == 4  # the deployment's sum has no replica label
+    assert m[("servelm:prefix_cache_hits_total", (("model_name", MODEL),))] == 8
+    assert m[("servelm:kv_cache_usage_perc", (("model_name", MODEL),))] == pytest.approx(0.375)  # the mean
+
+
+async def test_a_request_whose_replicas_keep_dying_gets_the_documented_503(deployment):
+    connector, board, handle = deployment
+    handle.dying = True
+    board[:] = [snapshot("a"), snapshot("b")]
+    async with client(connector) as c:
+        await connector.refresh_stats()
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        error = r.json()["error"]
+        assert (r.status_code, error["type"], error["code"]) == (503, "service_unavailable_error", "replica_failed")
+        assert len(handle.generated) == 4  # the first replica, then 3 migrations
+        # Each migration resumes from the tokens the client already has.
+        assert [g["prompt"] for g in handle.generated] == [[1, 2, 3], [1, 2, 3, 7], [1, 2, 3, 7, 7], [1, 2, 3, 7, 7, 7]]
+        assert any(503 in st and "service_unavailable_error" in ty and "replica_failed" in co
+                   for st, ty, co in documented_rows()), "docs/API.md's error table lacks replica_failed"
+
+        # Streamed: the text so far, then the error as an event, then [DONE].
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "stream": True})
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["error"]["code"] == "replica_failed"
+        text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                       for e in events[:-2] if json.loads(e).get("choices"))
+        assert text == "aaaa"  # one token from each replica, none lost or repeated
