@@ -9,6 +9,7 @@ from servelm.engine.config import EngineConfig
 from servelm.engine.llm_engine import LLMEngine
 from servelm.engine.outputs import RequestOutput, accumulate
 from servelm.engine.sampling_params import SamplingParams
+from servelm.engine.tool_parsers import detect_format
 
 
 class LLM:
@@ -63,13 +64,27 @@ class LLM:
         params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+
+        With ``tools`` (OpenAI function definitions) the template offers them
+        and each choice's text is read for tool calls (``outputs[i].text`` is
+        the content, ``outputs[i].tool_calls`` the calls) in the format
+        ``params.tool_call_parser`` names, by default the one the template
+        implies.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        params = params or SamplingParams()
+        fmt = None
+        if tools:
+            fmt = params.tool_call_parser or detect_format(chat_template or self.tokenizer.chat_template)
+            params = params.parsing_tool_calls(fmt)
         prompts = []
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tools=tools,
+                tool_call_parser=fmt,
             )
             # The template already carries the model's special tokens.
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))

@@ -89,6 +89,13 @@ class Settings(BaseSettings):
         metavar="FILE",
         default_text="each model's own template",
     )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = setting(
+        "auto",
+        "tool-call format the chat model writes (tools in chat completions): hermes (<tool_call>{...}</tool_call>; "
+        "Qwen, Hermes, ChatML models), llama3_json (Llama 3.x JSON calls) or mistral ([TOOL_CALLS][...]); "
+        "auto: the one its chat template implies, hermes when it implies none",
+        group="models",
+    )
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
         "auto",

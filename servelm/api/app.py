@@ -53,6 +53,7 @@ def create_app(
             request_timeout=settings.request_timeout,
         ),
         chat_template=settings.read_chat_template(),
+        tool_call_parser=settings.tool_call_parser,
         clock=clock,
         new_id=new_id,
         version=version,

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio
@@ -23,7 +23,7 @@ from servelm.api.metrics import Metrics, RequestRecorder
 from servelm.api.protocol import PromptTokensDetails, Usage
 from servelm.api.ratelimit import retry_after
 from servelm.connectors.base import Connector, ConnectorError
-from servelm.engine.outputs import PositionLogprobs, RequestOutput
+from servelm.engine.outputs import PositionLogprobs, RequestOutput, ToolCallDelta, merge_tool_calls
 from servelm.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("servelm.api")
@@ -41,6 +41,7 @@ class ChoiceDelta:
     num_tokens: int
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # pieces of the choice's tool calls
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ChoiceResult:
     num_tokens: int = 0
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # whole calls, in order
 
 
 class EngineRequestError(APIError):
@@ -344,6 +346,7 @@ class GenerationRun:
                     num_tokens=len(c.token_ids),
                     logprobs=c.logprobs,
                     finish_reason=c.finish_reason,
+                    tool_calls=c.tool_calls,
                 )
             if out.finished:
                 self._finished[i] = True
@@ -363,6 +366,7 @@ class GenerationRun:
             r.num_tokens += d.num_tokens
             if d.logprobs is not None:
                 r.logprobs = (r.logprobs or []) + list(d.logprobs)
+            merge_tool_calls(r.tool_calls, d.tool_calls)
             if d.finish_reason is not None:
                 r.finish_reason = d.finish_reason
         for r in results.values():

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_valid
 
 from servelm.api.request_model import RequestModel, TokenIds, check_token_id_lists
 from servelm.api.structured import ResponseFormat, StructuredOutputsRequest
+from servelm.api.tool_protocol import DeltaToolCall, ToolCall, ToolCallParam, ToolChoice, ToolDefinition
 
 
 def _absent(value: Any) -> bool:
@@ -103,7 +104,7 @@ class ChatMessage(RequestModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = Field(None, description="For role tool: the call this message answers.")
-    tool_calls: list[dict[str, Any]] | None = Field(None, description="For role assistant: passed to the template.")
+    tool_calls: list[ToolCallParam] | None = Field(None, description="For role assistant: the calls it made.")
     refusal: str | None = Field(None, description="For role assistant: rendered as the content when content is null.")
     audio: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
     function_call: dict[str, Any] | None = Field(None, description="Not supported (deprecated); rejected.")
@@ -123,15 +124,18 @@ class ChatCompletionRequest(SamplingFields):
     # accepted, harmless
     metadata: dict[str, str] | None = None
     store: bool | None = Field(None, description="Only false: servelm stores nothing.")
-    parallel_tool_calls: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_options: dict[str, Any] | None = Field(None, description="Accepted; prefix caching is automatic.")
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+    # tool calling (servelm/api/tools.py)
+    tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(
+        None, description='"none", "auto" (the default with tools), "required" or a named function.'
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per choice.")
     # documented by OpenAI, not supported: see UNSUPPORTED
-    tools: list[Any] | None = Field(None, description="Not supported; rejected unless empty.")
-    tool_choice: Any | None = Field(None, description='Not supported; only "none" is accepted.')
     functions: list[Any] | None = Field(None, description="Not supported; rejected unless empty.")
     function_call: Any | None = Field(None, description='Not supported; only "none" is accepted.')
     response_format: ResponseFormat | None = Field(
@@ -146,8 +150,6 @@ class ChatCompletionRequest(SamplingFields):
     moderation: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
-        "tools": _absent,
-        "tool_choice": lambda v: v == "none",
         "functions": _absent,
         "function_call": lambda v: v == "none",
         "audio": lambda v: False,
@@ -188,6 +190,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -231,6 +234,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -384,6 +388,7 @@ class TokenizeRequest(OpenAIRequest):
         None, description="Default true for prompt, false for messages (the template has them)."
     )
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = Field(None, description="With messages: rendered as chat completions does.")
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

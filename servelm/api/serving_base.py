@@ -34,7 +34,9 @@ from servelm.engine.structured_outputs import StructuredOutputsParams
 T = TypeVar("T")
 
 # Names apply_chat_template takes itself; chat_template_kwargs may not shadow them.
-_RESERVED_TEMPLATE_KWARGS = frozenset({"model", "messages", "add_generation_prompt", "chat_template"})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"model", "messages", "add_generation_prompt", "chat_template", "tools", "tool_call_parser"}
+)
 
 
 def servelm_version() -> str:
@@ -54,6 +56,7 @@ class ServingContext:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     admission: Admission = field(default_factory=Admission)
     chat_template: str | None = None
+    tool_call_parser: str = "auto"  # --tool-call-parser: a format name, or auto (each model's template's)
     clock: Callable[[], float] = time.time
     new_id: Callable[[], str] = lambda: uuid.uuid4().hex
     version: str = "0.0.0+unknown"
@@ -126,8 +129,14 @@ class OpenAIServing:
         messages: list[ChatMessage],
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_call_parser: str | None = None,
     ) -> str:
-        """Render messages with the model's chat template (or the --chat-template override)."""
+        """Render messages with the model's chat template (or the --chat-template override).
+
+        ``tools`` (OpenAI definitions) and ``tool_call_parser`` (the model's
+        tool-call format) go to the connector's rendering.
+        """
         kwargs = dict(chat_template_kwargs or {})
         clash = _RESERVED_TEMPLATE_KWARGS & kwargs.keys()
         if clash:
@@ -141,6 +150,8 @@ class OpenAIServing:
                 messages_to_dicts(messages),
                 add_generation_prompt=add_generation_prompt,
                 chat_template=self.ctx.chat_template,
+                tools=tools,
+                tool_call_parser=tool_call_parser,
                 **kwargs,
             )
         except APIError:
@@ -191,7 +202,13 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.name is not None:
             d["name"] = m.name
         if m.tool_calls:
-            d["tool_calls"] = m.tool_calls
+            if m.role != "assistant":
+                raise APIError("Only assistant messages have tool_calls.", status=400, param=f"messages[{i}].tool_calls")
+            d["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+        if m.role == "tool" and m.tool_call_id is None:
+            raise APIError(
+                f"Missing required parameter: 'messages[{i}].tool_call_id'.", status=400, param=f"messages[{i}].tool_call_id"
+            )
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         out.append(d)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from servelm.api.errors import APIError
 from servelm.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from servelm.api.serving_base import OpenAIServing
+from servelm.api.tools import tool_definitions, tool_format
 
 
 class ServingTokenize(OpenAIServing):
@@ -14,9 +15,14 @@ class ServingTokenize(OpenAIServing):
         """Token ids of ``prompt``, or of ``messages`` after the chat template."""
         if (req.prompt is None) == (req.messages is None):
             raise APIError("Send exactly one of 'prompt' and 'messages'.", status=400, param="prompt")
+        if req.tools and req.messages is None:
+            raise APIError("tools go with 'messages'.", status=400, param="tools")
         if req.messages is not None:
             card = await self.model_card(req.model, "generate")
-            text = await self.render_chat(card.id, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            text = await self.render_chat(
+                card.id, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                tool_definitions(req.tools), tool_format(self.ctx.tool_call_parser, self.ctx.chat_template, card),
+            )
             add_special = bool(req.add_special_tokens)  # default False: the template has them
         else:
             card = await self.model_card(req.model, None if req.model else "generate")

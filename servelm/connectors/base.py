@@ -45,6 +45,8 @@ class ModelCard:
     owned_by: str = "servelm"
     created: int = 0
     root: str | None = None  # the path or bundled name it was loaded from
+    # The tool-call format its chat template implies (servelm.engine.tool_parsers); None for embeddings.
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,14 @@ class Connector(Protocol):
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_call_parser: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render chat messages to a prompt string with the model's template."""
+        """Render chat messages to a prompt string with the model's template.
+
+        ``tools`` are OpenAI tool definitions; ``tool_call_parser`` is the
+        tool-call format to teach a template that knows nothing of tools
+        (see ``Tokenizer.apply_chat_template``).
+        """
         ...

@@ -22,6 +22,7 @@ from servelm.engine.config import EngineConfig
 from servelm.engine.off_loop import run_sized, text_size
 from servelm.engine.outputs import EmbeddingOutput, EngineStats, RequestOutput
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
+from servelm.engine.tool_parsers import detect_format
 from servelm.engine.vocabulary import vocabulary_error
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class LocalConnector:
                     max_model_len=self.engine.engine.max_model_len,
                     created=self._created,
                     root=self.model,
+                    tool_call_parser=detect_format(self.engine.engine.tokenizer.chat_template),
                 )
             )
         if self.embedder is not None:
@@ -268,6 +270,8 @@ class LocalConnector:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_call_parser: str | None = None,
         **kwargs: Any,
     ) -> str:
         tokenizer = self._tokenizer_for(model)
@@ -275,11 +279,13 @@ class LocalConnector:
 
         try:
             return await run_sized(
-                text_size(messages) + text_size(kwargs),
+                text_size(messages) + text_size(kwargs) + text_size(tools),
                 tokenizer.apply_chat_template,
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
+                tools=tools,
+                tool_call_parser=tool_call_parser,
                 **kwargs,
             )
         except (ValueError, TemplateError) as exc:

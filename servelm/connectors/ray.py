@@ -219,9 +219,14 @@ class RayConnector:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_call_parser: str | None = None,
         **kwargs: Any,
     ) -> str:
-        return await self._call("apply_chat_template", model, messages, add_generation_prompt, chat_template, **kwargs)
+        return await self._call(
+            "apply_chat_template", model, messages, add_generation_prompt, chat_template,
+            tools=tools, tool_call_parser=tool_call_parser, **kwargs,
+        )
 
     # -- generation --------------------------------------------------------
 

@@ -11,11 +11,11 @@ missing or repeated. After ``MAX_MIGRATIONS`` the request fails with a 503
 ``replica_failed`` (an SSE error event mid-stream).
 
 Limits, stated in docs/DEPLOY.md: greedy requests resume exactly; sampled
-ones continue with a fresh random state; a request with ``n > 1`` or a
-structured output (its grammar would restart at the resumed prompt's end)
-that has already produced tokens cannot be resumed and fails; text the dead
-replica held back (a possible stop string or an unfinished UTF-8 character
-at the cut) is lost.
+ones continue with a fresh random state; a request with ``n > 1``, a
+structured output (its grammar would restart at the resumed prompt's end) or
+tools (the tool-call parser's state is on the dead replica) that has already
+produced tokens cannot be resumed and fails; text the dead replica held back
+(a possible stop string or an unfinished UTF-8 character at the cut) is lost.
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ def resume_request(request: dict[str, Any], progress: _Progress, attempt: int) -
     new["request_id"] = f"{request['request_id']}~m{attempt}"
     if not progress.token_ids:
         return new
-    if progress.multi_choice or params.best_of > 1 or params.structured_outputs is not None:
+    stateful = params.structured_outputs is not None or params.tool_call_parser is not None
+    if progress.multi_choice or params.best_of > 1 or stateful:
         raise ConnectorError(
             "The engine replica serving this request failed after it had produced output; a request with "
-            "n > 1 or a structured output cannot be resumed on another replica. Retry the request.",
+            "n > 1, a structured output or tools cannot be resumed on another replica. Retry the request.",
             status=503, type="service_unavailable_error", code="replica_failed",
         )
     done = len(progress.token_ids)

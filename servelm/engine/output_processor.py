@@ -8,6 +8,8 @@ output processor then
 - turns it into text with the sequence's incremental detokenizer, which
   holds back text that may still become a stop string, and ends the
   sequence (through the scheduler) when a stop string appears;
+- with a tool-call parser (``SamplingParams.tool_call_parser``), splits the
+  text into content and tool-call pieces, each choice with its own parser;
 - records its logprobs, with each token's text;
 - and builds each request's delta :class:`RequestOutput`: what changed since
   the last one. A request with ``best_of > n`` streams nothing: its output
@@ -20,14 +22,15 @@ its sequence's, never a second copy kept here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.model_runner import StepResult
-from servelm.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from servelm.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob, ToolCallDelta
 from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.sequence import Sequence
+from servelm.engine.tool_parsers import ToolCallParser, get_format
 
 # scheduler.finish: ends a sequence with a reason and frees its KV blocks.
 FinishFn = Callable[[Sequence, str, "str | int | None"], None]
@@ -41,12 +44,15 @@ class _Choice:
     index: int  # among the request's best_of sequences
     detok: IncrementalDetokenizer
     logprobs: list[PositionLogprobs] | None
-    text: str = ""
+    parser: ToolCallParser | None = None  # reads tool calls out of the text, when the request asks
+    text: str = ""  # the content: with a parser, the text outside tool calls
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # the parser's pieces so far
     cumulative_logprob: float = 0.0
     # How much has been handed out already (delta outputs).
     sent_tokens: int = 0
     sent_text: int = 0
     sent_logprobs: int = 0
+    sent_tool_calls: int = 0
     finish_sent: bool = False
 
 
@@ -105,6 +111,7 @@ class OutputProcessor:
                 index=index,
                 detok=IncrementalDetokenizer(self._tokenizer.hf, prompt_token_ids, params),
                 logprobs=[] if params.logprobs is not None else None,
+                parser=get_format(params.tool_call_parser).parser() if params.tool_call_parser else None,
             )
             for index, seq in enumerate(seqs)
         ]
@@ -178,15 +185,28 @@ class OutputProcessor:
             choice.logprobs.append(self._position_logprobs(token_id, logprob, top or []))
         if seq.finish_reason == "stop":
             # A stop token or the end of text: its own text is never shown.
-            choice.text += choice.detok.flush()
+            self._add_text(choice, choice.detok.flush(), last=True)
             return
         text, stop = choice.detok.add_token(token_id)
-        choice.text += text
         if stop is not None:
             # The stop string came with this token: it wins over a length limit reached by the same token.
+            self._add_text(choice, text, last=True)
             self._finish(seq, "stop", stop)
         elif seq.finish_reason is not None:
-            choice.text += choice.detok.flush()
+            self._add_text(choice, text + choice.detok.flush(), last=True)
+        else:
+            self._add_text(choice, text, last=False)
+
+    @staticmethod
+    def _add_text(choice: _Choice, text: str, last: bool) -> None:
+        """Add released text to a choice: all of it, or its content and tool-call pieces with a parser."""
+        parser = choice.parser
+        if parser is None:
+            choice.text += text
+            return
+        for parsed in (parser.feed(text), *((parser.finish(),) if last else ())):
+            choice.text += parsed.content
+            choice.tool_calls += parsed.tool_calls
 
     # -- logprob text ----------------------------------------------------
 
@@ -224,10 +244,12 @@ class OutputProcessor:
                 cumulative_logprob=choice.cumulative_logprob,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
+                tool_calls=choice.tool_calls[choice.sent_tool_calls :],
             )
-            if not delta.token_ids and not delta.text and delta.finish_reason is None:
+            if not delta.token_ids and not delta.text and not delta.tool_calls and delta.finish_reason is None:
                 continue
             choice.sent_text = len(choice.text)
+            choice.sent_tool_calls = len(choice.tool_calls)
             choice.sent_tokens += len(generated)
             choice.sent_logprobs = len(choice.logprobs) if choice.logprobs is not None else 0
             choice.finish_sent = seq.finish_reason is not None

@@ -32,8 +32,39 @@ class PositionLogprobs:
 
 
 @dataclass
+class ToolCallDelta:
+    """A piece of one tool call a choice made, as the tool-call parser read it from the text.
+
+    ``index`` numbers the choice's calls from 0. The first piece of a call
+    carries its function ``name`` (and usually empty ``arguments``); later
+    pieces carry only more of the ``arguments`` JSON text. Pieces of one
+    call, joined in order, give the whole call (see :func:`merge_tool_calls`).
+    """
+
+    index: int
+    name: str | None = None
+    arguments: str = ""
+
+
+def merge_tool_calls(calls: list[ToolCallDelta], pieces: list[ToolCallDelta]) -> None:
+    """Fold ``pieces`` into ``calls`` (one entry per call, in index order), in place."""
+    for piece in pieces:
+        if piece.index < len(calls):
+            whole = calls[piece.index]
+            whole.arguments += piece.arguments
+            if piece.name is not None:
+                whole.name = piece.name
+        else:
+            calls.append(ToolCallDelta(piece.index, piece.name, piece.arguments))
+
+
+@dataclass
 class CompletionOutput:
-    """One choice of a request (a request with n=2 has two)."""
+    """One choice of a request (a request with n=2 has two).
+
+    With a tool-call parser (``SamplingParams.tool_call_parser``), ``text``
+    is the content outside tool calls and ``tool_calls`` holds the calls.
+    """
 
     index: int
     text: str = ""
@@ -42,6 +73,7 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -129,6 +161,7 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
         c.token_ids.extend(d.token_ids)
         if d.logprobs is not None and c.logprobs is not None:
             c.logprobs.extend(d.logprobs)
+        merge_tool_calls(c.tool_calls, d.tool_calls)
         c.cumulative_logprob = d.cumulative_logprob
         c.finish_reason = d.finish_reason
         c.stop_reason = d.stop_reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 from servelm.engine.params_error import SamplingParamsError
 from servelm.engine.structured_outputs import StructuredOutputsParams
+from servelm.engine.tool_parsers.registry import FORMATS
 
 # The sampler computes in float32: a parameter must survive that conversion.
 # Below the smallest normal float32 a divisor or a threshold turns into 0 or a
@@ -70,6 +72,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
+    # The tool-call format to read the text in (servelm.engine.tool_parsers): each
+    # choice's text is then split into content and tool calls. None: plain text.
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -140,6 +145,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
+        if self.tool_call_parser is not None and self.tool_call_parser not in FORMATS:
+            bad("tool_call_parser", f"must be one of {', '.join(FORMATS)}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
 
@@ -156,6 +163,17 @@ class SamplingParams:
                     raise SamplingParamsError(
                         name, f"{name} holds token id {tok}, outside the model's vocabulary [0, {vocab_size})"
                     )
+
+    def parsing_tool_calls(self, fmt: str) -> SamplingParams:
+        """A copy whose text is read for tool calls in the format ``fmt``.
+
+        Special tokens stay in the text when the format's markers are ones
+        (Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``).
+        """
+        changes: dict[str, object] = {"tool_call_parser": fmt}
+        if FORMATS[fmt].keep_special_tokens:
+            changes["skip_special_tokens"] = False
+        return dataclasses.replace(self, **changes)
 
     @property
     def greedy(self) -> bool:

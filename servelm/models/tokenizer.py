@@ -8,6 +8,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from servelm.engine.tool_parsers import AUTO, get_format, resolve_format
+from servelm.models.tool_prompt import template_reads_tools, tool_messages
+
 # Tokenizer lengths above this are transformers' "no limit" placeholder, not a real context size.
 _UNSET_MAX_LENGTH = 10**12
 
@@ -42,6 +45,7 @@ class Tokenizer:
         if max_model_len is None and hf.model_max_length < _UNSET_MAX_LENGTH:
             max_model_len = int(hf.model_max_length)
         self.max_model_len: int | None = max_model_len
+        self._template_reads_tools: dict[str, bool] = {}  # by template text (the model's, an override)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token strings in it become their ids."""
@@ -60,18 +64,29 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_call_parser: str | None = None,
         **kwargs: Any,
     ) -> str:
         """Render ``messages`` to a prompt string, as transformers' ``apply_chat_template(tokenize=False)``.
 
-        ``chat_template`` overrides the model's; extra kwargs (``tools``,
-        ``documents``, template variables) go to the template.
+        ``chat_template`` overrides the model's; extra kwargs (``documents``,
+        template variables) go to the template. ``tools`` (OpenAI tool
+        definitions), assistant ``tool_calls`` and ``tool`` messages are
+        rendered by the template when it knows tools, else taught to it in
+        the ``tool_call_parser`` format (default: the one the template
+        implies); see :mod:`servelm.models.tool_prompt`.
         """
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError(
                 f"{self.name} has no chat template; pass one (chat_template=...) or use the completions API"
             )
+        has_tools = bool(tools) or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if has_tools:
+            fmt = get_format(resolve_format(tool_call_parser or AUTO, template))
+            messages, tool_kwargs = tool_messages(messages, tools, fmt, self._reads_tools(template))
+            kwargs.update(tool_kwargs)
         return self.hf.apply_chat_template(
             messages,
             tokenize=False,
@@ -79,6 +94,12 @@ class Tokenizer:
             chat_template=template,
             **kwargs,
         )
+
+    def _reads_tools(self, template: str) -> bool:
+        known = self._template_reads_tools.get(template)
+        if known is None:
+            known = self._template_reads_tools[template] = template_reads_tools(template)
+        return known
 
 
 def load_tokenizer(

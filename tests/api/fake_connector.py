@@ -6,6 +6,8 @@ choice ``i`` of a request replies with ``reply(i)`` one token per engine
 step; all choices advance together, so n > 1 outputs interleave by index.
 Knobs let a test script errors, pauses and exact output streams, and the
 fake records every call (``generate_calls``, ``aborted``, ``template_calls``).
+With ``params.tool_call_parser`` set, each choice's text goes through that
+(pure) tool-call parser, as the engine's output processor does.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from servelm.engine.outputs import (
     TokenLogprob,
 )
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
+from servelm.engine.tool_parsers import get_format
 
 BOS, EOS, OFFSET = 1, 2, 3
 QUEUE_TIME = 0.25  # what every output reports as the request's queue time
@@ -114,7 +117,8 @@ class FakeConnector:
 
     def _cards(self) -> list[ModelCard]:
         return [
-            ModelCard(CHAT_MODEL, "generate", self.max_model_len, created=1700000000, root="/models/fake-chat.gguf"),
+            ModelCard(CHAT_MODEL, "generate", self.max_model_len, created=1700000000, root="/models/fake-chat.gguf",
+                      tool_call_parser="hermes"),
             ModelCard(EMBED_MODEL, "embed", 32, created=1700000000, root="/models/fake-embed"),
         ]
 
@@ -167,6 +171,7 @@ class FakeConnector:
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [position_logprobs(t, params.prompt_logprobs) for t in prompt_ids[1:]]
+        parsers = [get_format(params.tool_call_parser).parser() for _ in range(params.n)] if params.tool_call_parser else []
         generated = 0
         step = 0
         while True:
@@ -176,13 +181,19 @@ class FakeConnector:
                     continue
                 tok = replies[i][step]
                 done = step == lengths[i] - 1
+                text, tool_calls = token_text(tok), []
+                if parsers:
+                    pieces = [parsers[i].feed(text), *([parsers[i].finish()] if done else [])]
+                    text = "".join(p.content for p in pieces)
+                    tool_calls = [c for p in pieces for c in p.tool_calls]
                 outputs.append(
                     CompletionOutput(
                         index=i,
-                        text=token_text(tok),
+                        text=text,
                         token_ids=[tok],
                         logprobs=[position_logprobs(tok, params.logprobs)] if params.logprobs is not None else None,
                         finish_reason=("stop" if stops[i] else "length") if done else None,
+                        tool_calls=tool_calls,
                     )
                 )
             generated += len(outputs)
@@ -249,11 +260,14 @@ class FakeConnector:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_call_parser: str | None = None,
         **kwargs: Any,
     ) -> str:
         self._card(model, "generate")
         self.template_calls.append(
-            {"messages": messages, "add_generation_prompt": add_generation_prompt, "chat_template": chat_template, **kwargs}
+            {"messages": messages, "add_generation_prompt": add_generation_prompt, "chat_template": chat_template,
+             "tools": tools, "tool_call_parser": tool_call_parser, **kwargs}
         )
         if self.template_error is not None:
             raise self.template_error

@@ -256,8 +256,6 @@ async def test_invalid_sampling_fields_are_400_naming_the_field(client, field, v
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "auto"),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
         ("audio", {"voice": "alloy", "format": "mp3"}),

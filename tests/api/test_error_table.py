@@ -57,6 +57,11 @@ async def invalid_field() -> httpx.Response:
     return await _call(FakeConnector(), "POST", "/v1/chat/completions", {**CHAT, "n": 0})
 
 
+async def invalid_tool() -> httpx.Response:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}
+    return await _call(FakeConnector(), "POST", "/v1/chat/completions", {**CHAT, "tools": [tool]})
+
+
 async def invalid_json() -> httpx.Response:
     return await _call(FakeConnector(), "POST", "/v1/chat/completions", raw=b'{"model": ')
 
@@ -158,6 +163,7 @@ async def replica_failed() -> httpx.Response:
 # (status, type, code) each producer must give.
 PRODUCERS: dict[str, tuple[Producer, int, str, str | None]] = {
     "invalid field": (invalid_field, 400, "invalid_request_error", None),
+    "invalid tool": (invalid_tool, 400, "invalid_request_error", None),
     "invalid json": (invalid_json, 400, "invalid_request_error", "invalid_json"),
     "context too long": (context_too_long, 400, "invalid_request_error", "context_length_exceeded"),
     "model not supported": (model_not_supported, 400, "invalid_request_error", "model_not_supported"),

@@ -130,6 +130,23 @@ async def test_a_dead_replica_is_resumed_from_the_tokens_sent():
     assert second["params"].temperature == 0
 
 
+async def test_a_request_with_tools_is_resumed_only_before_its_first_token():
+    # The tool-call parser's state died with the replica: the rest of a call cannot be read without it.
+    for die_after, resumed in ((0, True), (2, False)):
+        replicas = FakeReplicas(die_after=[die_after])
+        request = {"request_id": "r", "prompt": [1, 2, 3],
+                   "params": SamplingParams(max_tokens=4, temperature=0, tool_call_parser="hermes")}
+        stream = resumable_stream(request, replicas.open, lambda e: isinstance(e, ReplicaDied))
+        if resumed:
+            outs = [out async for out in stream]
+            assert [t for o in outs for c in o.outputs for t in c.token_ids] == [100, 101, 102, 103]
+            continue
+        with pytest.raises(ConnectorError) as info:
+            async for _ in stream:
+                pass
+        assert info.value.code == "replica_failed" and "tools" in info.value.message
+
+
 async def test_more_than_three_migrations_fail_with_replica_failed():
     replicas = FakeReplicas(die_after=[1] * (MAX_MIGRATIONS + 1))
     with pytest.raises(ConnectorError) as info:
