@@ -228,6 +228,7 @@ def sampling_params(
         "skip_special_tokens": req.skip_special_tokens,
         "logit_bias": req.logit_bias,
         "seed": req.seed,
+        "speculative": req.speculative_decoding,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):

@@ -1,13 +1,14 @@
 """The engine's output side: new tokens into text, stop strings, logprob text and delta outputs.
 
 By the time the output processor sees a step, the scheduler has appended
-each sampled token to its sequence and ended the sequences that met a stop
-token, their end-of-text token or their length. For each new token the
-output processor then
+each sampled token to its sequence (several, after a speculative decode) and
+ended the sequences that met a stop token, their end-of-text token or their
+length. For each new token, in order, the output processor then
 
 - turns it into text with the sequence's incremental detokenizer, which
   holds back text that may still become a stop string, and ends the
-  sequence (through the scheduler) when a stop string appears;
+  sequence (through the scheduler) when a stop string appears, dropping
+  any tokens of the same step after it;
 - records its logprobs, with each token's text;
 - and builds each request's delta :class:`RequestOutput`: what changed since
   the last one. A request with ``best_of > n`` streams nothing: its output
@@ -43,6 +44,7 @@ class _Choice:
     logprobs: list[PositionLogprobs] | None
     text: str = ""
     cumulative_logprob: float = 0.0
+    num_tokens: int = 0  # generated tokens turned into text so far
     # How much has been handed out already (delta outputs).
     sent_tokens: int = 0
     sent_text: int = 0
@@ -147,11 +149,16 @@ class OutputProcessor:
                 token_id = state.prompt_token_ids[p.position]
                 state.prompt_logprobs[p.position] = self._position_logprobs(token_id, p.logprob, p.top_logprobs)
         progressed: dict[str, None] = {}  # insertion-ordered set
-        for seq_id, sampled in result.sampled.items():
+        for seq_id, run in result.sampled.items():
             choice = self._choices.get(seq_id)
             if choice is None:
                 continue  # its request ended during the step
-            self._add_token(choice, sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            # The scheduler appended the run up to the token that ended the sequence, if any.
+            appended = run[: choice.seq.num_generated_tokens - choice.num_tokens]
+            for i, sampled in enumerate(appended):
+                last = i == len(appended) - 1
+                if self._add_token(choice, sampled.token_id, sampled.logprob, sampled.top_logprobs, last):
+                    break
             progressed[choice.seq.request_id] = None
         outputs = []
         for rid in progressed:
@@ -171,22 +178,28 @@ class OutputProcessor:
                 choice.seq.finish_reason = "error"
         return self._make_output(state)
 
-    def _add_token(self, choice: _Choice, token_id: int, logprob: float, top) -> None:
+    def _add_token(self, choice: _Choice, token_id: int, logprob: float, top, last: bool) -> bool:
+        """Add the sequence's next token (``last``: the newest it has); True when a stop string ended it here."""
         seq = choice.seq
+        choice.num_tokens += 1
         choice.cumulative_logprob += logprob
         if choice.logprobs is not None:
             choice.logprobs.append(self._position_logprobs(token_id, logprob, top or []))
-        if seq.finish_reason == "stop":
+        if last and seq.finish_reason == "stop":
             # A stop token or the end of text: its own text is never shown.
             choice.text += choice.detok.flush()
-            return
+            return False
         text, stop = choice.detok.add_token(token_id)
         choice.text += text
         if stop is not None:
-            # The stop string came with this token: it wins over a length limit reached by the same token.
+            # The stop string came with this token: it wins over a length limit reached by the same token,
+            # and the tokens a speculative step accepted after it go.
+            seq.truncate(choice.num_tokens)
             self._finish(seq, "stop", stop)
-        elif seq.finish_reason is not None:
+            return True
+        if last and seq.finish_reason is not None:
             choice.text += choice.detok.flush()
+        return False
 
     # -- logprob text ----------------------------------------------------
 

@@ -74,6 +74,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # likewise for prompt tokens (echo)
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    # False: never speculate for this request; True: speculate where the engine has a method and it applies.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -142,6 +144,8 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.speculative, bool):
+            bad("speculative", "must be true or false")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
 
