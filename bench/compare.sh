@@ -3,13 +3,24 @@
 #
 #   bench/compare.sh                          # servelm and every installed peer
 #   bench/compare.sh servelm vllm_cpu         # just these
+#   bench/compare.sh --shape qwen2.5-0.5b servelm vllm_cpu llama_server
 #   NUM_PROMPTS=128 OUT=/tmp/cmp bench/compare.sh
 #
-# Each server (a script in bench/peers/) is started on a free port on
-# 127.0.0.1, loaded by `servelm bench serve` (chat endpoint, 128 prompt tokens,
-# 64 output tokens with ignore_eos, concurrency 1, 8 and 32), and stopped
-# before the next one starts. Results: $OUT/<server>.json and $OUT/table.md,
-# the table bench/compare_table.py makes of them (also printed).
+# --shape (or SERVELM_BENCH_SHAPE) picks the model: smollm2-135m (default, the
+# bundled SmolLM2-135M-Instruct), or a random-weight model of a real shape,
+# qwen2.5-0.5b or llama-3.2-1b (bench/export_shape.py makes it on first use).
+#
+# First the machine's limits are measured (bench/machine_limits.py: bf16 and
+# int8 GEMM peaks, memory read bandwidth) while no server runs. Then each
+# server (a script in bench/peers/) is started on a free port on 127.0.0.1,
+# its process tree's memory sampled idle for $IDLE_SECONDS, loaded by
+# `servelm bench serve` (chat endpoint, 128 prompt tokens, 64 output tokens
+# with ignore_eos, concurrency 1, 8 and 32) while its memory is sampled
+# (bench/process_memory.py), and stopped before the next one starts. Results:
+# $OUT/<server>.json, $OUT/meta/ (limits.json, model-config.json,
+# memory-<server>.json) and $OUT/table.md, the tables bench/compare_table.py
+# makes of them (also printed): throughput and latency, each level against
+# the machine's limits, and memory.
 #
 # Servers: servelm (--dtype auto), servelm:bf16 (--dtype bfloat16),
 # servelm:fp32 (--dtype float32), servelm:int8 (--quantization int8),
@@ -17,32 +28,52 @@
 # (F16 GGUF), llama_server:q8_0, transformers_serve. A peer that is not
 # installed is skipped with a note (install it: bench/peers/NAME.sh install).
 #
-# Env: OUT (default $CACHE/results/compare-DATE), NUM_PROMPTS (per level,
+# Env: OUT (default $CACHE/results/compare-SHAPE-DATE), NUM_PROMPTS (per level,
 # default 64), CONCURRENCY (default 1,8,32), INPUT_LEN (128), OUTPUT_LEN (64),
 # WARMUP (requests before the first level, default 4), BENCH_ARGS (extra flags
 # for `servelm bench serve`), TOKENIZER (builds the prompts, so every server
-# gets the same ones; default the bundled smollm2-135m-instruct).
+# gets the same ones; default the bundled smollm2-135m-instruct, whose
+# tokens the shapes' padded tokenizers encode alike), LIMITS_ARGS (extra
+# flags for bench/machine_limits.py, e.g. "--repeats 3"), IDLE_SECONDS (5).
 set -euo pipefail
+
+if [[ ${1:-} == --shape ]]; then
+    [[ $# -ge 2 ]] || { echo "usage: $0 [--shape NAME] [SERVER...]" >&2; exit 2; }
+    export SERVELM_BENCH_SHAPE=$2
+    shift 2
+fi
 
 BENCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source-path=SCRIPTDIR source=peers/common.sh
 source "$BENCH_DIR/peers/common.sh"
 
-OUT=${OUT:-$CACHE/results/compare-$(date +%Y%m%d-%H%M%S)}
+OUT=${OUT:-$CACHE/results/compare-$SHAPE-$(date +%Y%m%d-%H%M%S)}
 NUM_PROMPTS=${NUM_PROMPTS:-64}
 CONCURRENCY=${CONCURRENCY:-1,8,32}
 INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 WARMUP=${WARMUP:-4}
 TOKENIZER=${TOKENIZER:-smollm2-135m-instruct}
+IDLE_SECONDS=${IDLE_SECONDS:-5}
+PY=$REPO_ROOT/.venv/bin/python
 DEFAULT_SERVERS=(servelm servelm:int8 vllm_cpu llama_server llama_server:q8_0 transformers_serve)
 SERVERS=("$@")
 [[ ${#SERVERS[@]} -gt 0 ]] || SERVERS=("${DEFAULT_SERVERS[@]}")
 
-mkdir -p "$OUT"
+mkdir -p "$OUT/meta"
 CURRENT=""  # the peer script of the server now running, for the trap
+SAMPLER=""  # the PID of the memory sampler now running
+
+stop_sampler() {
+    if [[ -n $SAMPLER ]]; then
+        kill -TERM "$SAMPLER" 2>/dev/null || true
+        wait "$SAMPLER" || log "the memory sampler failed; see above"
+        SAMPLER=""
+    fi
+}
 
 stop_current() {
+    stop_sampler
     if [[ -n $CURRENT ]]; then
         "$CURRENT" stop || true
         CURRENT=""
@@ -60,6 +91,15 @@ servelm_clean() {
     done
     env "${unset_args[@]}" "$REPO_ROOT/.venv/bin/servelm" "$@"
 }
+
+# The model (its config.json, for the FLOP and byte accounting) and the machine's
+# limits, measured before any server starts.
+ensure_models
+cp "$HF_MODEL_DIR/config.json" "$OUT/meta/model-config.json"
+log "measuring the machine's limits (bench/machine_limits.py)"
+# shellcheck disable=SC2086
+"$PY" "$BENCH_DIR/machine_limits.py" --json "$OUT/meta/limits.json" ${LIMITS_ARGS:-} ||
+    log "the limits were not measured; the table against them is left out"
 
 for server in "${SERVERS[@]}"; do
     peer=${server%%:*}
@@ -91,6 +131,13 @@ for server in "${SERVERS[@]}"; do
     log "=== $label on port $port ==="
     CURRENT=$script
     if env "${variant_env[@]}" "$script" start "$port"; then
+        memory=$OUT/meta/memory-$label.json
+        rm -f "$memory"
+        pid=$("$script" pid)
+        "$PY" "$BENCH_DIR/process_memory.py" "$pid" --phase idle --seconds "$IDLE_SECONDS" --out "$memory" ||
+            log "$label: no idle memory sample"
+        "$PY" "$BENCH_DIR/process_memory.py" "$pid" --phase load --out "$memory" &
+        SAMPLER=$!
         # shellcheck disable=SC2086
         servelm_clean bench serve --base-url "http://127.0.0.1:$port" --model "$SERVED_MODEL_NAME" \
             --endpoint chat --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
@@ -104,7 +151,7 @@ for server in "${SERVERS[@]}"; do
 done
 
 if compgen -G "$OUT/*.json" >/dev/null; then
-    "$REPO_ROOT/.venv/bin/python" "$BENCH_DIR/compare_table.py" "$OUT" | tee "$OUT/table.md"
+    "$PY" "$BENCH_DIR/compare_table.py" "$OUT" | tee "$OUT/table.md"
     log "results in $OUT"
 else
     log "no results in $OUT"

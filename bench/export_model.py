@@ -85,7 +85,7 @@ def write_hf_folder(gguf_path: Path, folder: Path) -> None:
     """The bf16 HF folder, written to a temporary sibling and renamed into place."""
     import torch
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import GenerationConfig, LlamaConfig
 
     config, weights = hf_weights(gguf_path)
     if config.architecture != "LlamaForCausalLM":
@@ -125,26 +125,32 @@ def write_hf_folder(gguf_path: Path, folder: Path) -> None:
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "model.safetensors").chmod(0o644)
 
+    write_tokenizer(gguf_path, tmp, config.max_position_embeddings)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+
+
+def write_tokenizer(gguf_path: Path, folder: Path, max_len: int) -> None:
+    """The GGUF's tokenizer and chat template as HF tokenizer files in ``folder``."""
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
-    tok.save_pretrained(tmp)
+    tok.save_pretrained(folder)
     # transformers 5 writes the template to chat_template.jinja; older readers
     # (gguf-py's SpecialVocab, older transformers in a peer's venv) look in
     # tokenizer_config.json, so it goes there too.
     # The class name any transformers 4.x/5.x loads (5.x saves its own alias,
     # TokenizersBackend), the model's real context rather than "unlimited", and
     # none of the loading arguments save_pretrained echoes back.
-    tc_path = tmp / "tokenizer_config.json"
+    tc_path = folder / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text())
     for key in ("is_local", "local_files_only"):
         tc.pop(key, None)
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tc["model_max_length"] = config.max_position_embeddings
+    tc["model_max_length"] = max_len
     if not tc.get("chat_template") and tok.chat_template:
         tc["chat_template"] = tok.chat_template
     tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
-
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
 
 
 def write_gguf(gguf_path: Path, out: Path, qtype_name: str) -> None:

@@ -4,7 +4,8 @@
 # Everything a peer needs (its virtualenv, the exported models, logs, PID files)
 # lives in a cache directory outside the repository:
 #   ${SERVELM_BENCH_CACHE:-$HOME/.cache/servelm-bench}/
-#     models/   bf16 HF folder and GGUF files (bench/export_model.py writes them)
+#     models/   bf16 HF folder and GGUF files (bench/export_model.py and
+#               bench/export_shape.py write them)
 #     venvs/    one virtualenv per peer
 #     src/      sources a peer builds from (llama.cpp)
 #     run/      <peer>.pid and <peer>.log of the running server
@@ -24,12 +25,20 @@ VENVS_DIR=$CACHE/venvs
 SRC_DIR=$CACHE/src
 RUN_DIR=$CACHE/run
 
-HF_MODEL_DIR=$MODELS_DIR/smollm2-135m-instruct-bf16
-GGUF_F16=$MODELS_DIR/smollm2-135m-instruct-f16.gguf
-GGUF_Q8_0=$MODELS_DIR/smollm2-135m-instruct-q8_0.gguf
+# The model every server runs: SmolLM2-135M-Instruct (the bundled model, exported)
+# by default; SERVELM_BENCH_SHAPE=qwen2.5-0.5b or llama-3.2-1b picks a
+# random-weight model of that real shape (bench/export_shape.py).
+SHAPE=${SERVELM_BENCH_SHAPE:-smollm2-135m}
+case $SHAPE in
+smollm2-135m) MODEL_STEM=smollm2-135m-instruct ;;
+*) MODEL_STEM=$SHAPE-random ;;
+esac
+HF_MODEL_DIR=$MODELS_DIR/$MODEL_STEM-bf16
+GGUF_F16=$MODELS_DIR/$MODEL_STEM-f16.gguf
+GGUF_Q8_0=$MODELS_DIR/$MODEL_STEM-q8_0.gguf
 
 # One name for the model on every server, so a client addresses them alike.
-SERVED_MODEL_NAME=${SERVELM_BENCH_MODEL_NAME:-smollm2-135m-instruct}
+SERVED_MODEL_NAME=${SERVELM_BENCH_MODEL_NAME:-$MODEL_STEM}
 # Seconds a server may take to answer its readiness probe after `start`.
 START_TIMEOUT=${SERVELM_BENCH_START_TIMEOUT:-600}
 # Seconds `stop` waits after SIGTERM before SIGKILL.
@@ -67,13 +76,16 @@ pip_install() {
     nice -n 19 "$venv/bin/python" -m pip install "$@"
 }
 
-# ensure_models: export the benchmark model (bf16 HF folder, F16 and Q8_0 GGUF)
-# if any part is missing. The Q8_0 GGUF needs llama.cpp's llama-quantize, so it
-# is only made once llama_server.sh has built it.
+# ensure_models: export the benchmark model of $SHAPE (bf16 HF folder, F16 and
+# Q8_0 GGUF) if any part is missing.
 ensure_models() {
-    if [[ ! -f $HF_MODEL_DIR/model.safetensors || ! -f $GGUF_F16 ]]; then
-        log "exporting the benchmark model into $MODELS_DIR"
-        nice -n 19 "$REPO_ROOT/.venv/bin/python" "$REPO_ROOT/bench/export_model.py" --cache "$CACHE"
+    if [[ ! -f $HF_MODEL_DIR/model.safetensors || ! -f $GGUF_F16 || ! -f $GGUF_Q8_0 ]]; then
+        log "exporting the benchmark model ($SHAPE) into $MODELS_DIR"
+        if [[ $SHAPE == smollm2-135m ]]; then
+            nice -n 19 "$REPO_ROOT/.venv/bin/python" "$REPO_ROOT/bench/export_model.py" --cache "$CACHE"
+        else
+            nice -n 19 "$REPO_ROOT/.venv/bin/python" "$REPO_ROOT/bench/export_shape.py" "$SHAPE" --cache "$CACHE"
+        fi
     fi
 }
 
@@ -198,7 +210,8 @@ preload_libs() {
 }
 
 # peer_main NAME "$@": dispatch the standard subcommands to functions the peer
-# script defines: do_install, do_start PORT, do_available. stop is shared.
+# script defines: do_install, do_start PORT, do_available. stop, pid and
+# model-name are shared.
 peer_main() {
     local name=$1
     shift
@@ -211,10 +224,14 @@ peer_main() {
         do_start "$2"
         ;;
     stop) stop_by_pidfile "$name" ;;
+    pid)
+        running "$name" || die "$name is not running"
+        cat "$(pid_file "$name")"
+        ;;
     available) do_available ;;
     model-name) echo "$SERVED_MODEL_NAME" ;;
     *)
-        echo "usage: $0 {install|start PORT|stop|available|model-name}" >&2
+        echo "usage: $0 {install|start PORT|stop|pid|available|model-name}" >&2
         exit 2
         ;;
     esac

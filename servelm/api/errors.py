@@ -22,9 +22,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servelm.api.access_log import request_record
 from servelm.api.request_model import SURROGATE_ERROR
-from servelm.connectors.base import ConnectorError, ContextLengthExceeded
+from servelm.connectors.base import ContextLengthExceeded
 from servelm.engine.context_limit import context_length_error
 from servelm.engine.sampling_params import SamplingParamsError
+from servelm.errors import APIError, default_error_type
 
 logger = logging.getLogger("servelm.api")
 
@@ -43,28 +44,6 @@ _MAX_SHOWN = 80
 # Retry-After (seconds) of a 503: the server is loading its models or shutting
 # down, which takes seconds; a full queue's 429 has its own (admission.py).
 UNAVAILABLE_RETRY_AFTER_S = 5
-
-
-class APIError(Exception):
-    """An error with an HTTP status that the API reports in OpenAI's envelope."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        type: str | None = None,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type = type or default_error_type(status)
-        self.param = param
-        self.code = code
-        self.headers = headers
 
 
 class ServerOverloaded(APIError):
@@ -113,17 +92,6 @@ class ClientDisconnected(Exception):
     """The client went away before its response was ready; nothing is sent."""
 
 
-def default_error_type(status: int) -> str:
-    """OpenAI's error ``type`` for a status code."""
-    if status == 401:
-        return "invalid_request_error"
-    if status == 503:
-        return "service_unavailable_error"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
-
-
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """The envelope as a dict."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
@@ -150,10 +118,8 @@ def api_error_from(exc: BaseException) -> APIError:
     Unknown exceptions become a 500 whose message hides the details: they are
     logged with their traceback by the caller, never sent.
     """
-    if isinstance(exc, APIError):
+    if isinstance(exc, APIError):  # a ConnectorError too
         return exc
-    if isinstance(exc, ConnectorError):
-        return APIError(exc.message, status=exc.status, type=exc.type, param=exc.param, code=exc.code)
     if isinstance(exc, SamplingParamsError):
         return APIError(str(exc), status=400, param=exc.param)
     return APIError("The server had an error while processing your request.", status=500)
@@ -269,7 +235,6 @@ def install_exception_handlers(app: FastAPI) -> None:
         return Response(status_code=499)
 
     app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(ConnectorError, on_api_error)
     app.add_exception_handler(SamplingParamsError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)

@@ -19,7 +19,7 @@ from servelm.api.errors import UNAVAILABLE_RETRY_AFTER_S, APIError, ClientDiscon
 from servelm.api.lifecycle import Lifecycle
 from servelm.api.metrics import Metrics
 from servelm.api.protocol import ChatMessage, SamplingFields
-from servelm.connectors.base import Connector, ConnectorError, ModelCard, ModelNotFound
+from servelm.connectors.base import Connector, ModelCard, ModelNotFound
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
 
 T = TypeVar("T")
@@ -134,7 +134,7 @@ class OpenAIServing:
                 chat_template=self.ctx.chat_template,
                 **kwargs,
             )
-        except (APIError, ConnectorError):
+        except APIError:
             raise
         except Exception as exc:
             # A template raising (roles not alternating, a missing variable) is

@@ -19,7 +19,6 @@ from servelm.api.protocol import Usage
 from servelm.api.ratelimit import rate_limit_ticket
 from servelm.api.serving_base import OpenAIServing, cancel_on_disconnect
 from servelm.api.sse import DONE_EVENT, EventStreamResponse, sse_event
-from servelm.connectors.base import ConnectorError
 
 logger = logging.getLogger("servelm.api")
 
@@ -105,7 +104,7 @@ class GenerationServing(OpenAIServing):
             if formatter.include_usage:
                 yield sse_event(formatter.usage_chunk(run.usage()))
         except Exception as exc:
-            if not isinstance(exc, (APIError, ConnectorError)):
+            if not isinstance(exc, APIError):
                 logger.exception("generation stream %s failed", run.request_ids[0])
             err = api_error_from(exc)
             yield sse_event(error_body(err.message, err.type, err.param, err.code))

@@ -13,30 +13,14 @@ from typing import Any, Protocol, runtime_checkable
 
 from servelm.engine.outputs import EmbeddingOutput, EngineStats, RequestOutput
 from servelm.engine.sampling_params import SamplingParams
+from servelm.errors import APIError
 
 
-class ConnectorError(Exception):
-    """An error the API maps to an OpenAI error envelope.
+class ConnectorError(APIError):
+    """An error a connector raises for the client to hear (an unknown model, a prompt that does not fit).
 
-    ``status`` is the HTTP status, ``type``/``code``/``param`` fill the
-    envelope's fields.
+    It carries the fields of OpenAI's envelope as every :class:`APIError` does.
     """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-    ):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type = type
-        self.code = code
-        self.param = param
 
 
 class ModelNotFound(ConnectorError):
