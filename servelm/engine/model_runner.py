@@ -165,11 +165,11 @@ class ModelRunner:
             self._sample(logits[: len(plain_rows)], plain, sampling, result)
             if specs:
                 runs = verify_isolated(logits[len(plain_rows) :], specs)
-                for spec, run in zip(speculating, runs):
+                for sch, run in zip(speculating, runs):
                     if run is None:
-                        result.failed.append(spec.seq.seq_id)
+                        result.failed.append(sch.seq.seq_id)
                     else:
-                        result.sampled[spec.seq.seq_id] = [SampledToken(*row) for row in run]
+                        result.sampled[sch.seq.seq_id] = [SampledToken(*row) for row in run]
         for i, sch in enumerate(out.prefills):
             seq = sch.seq
             if seq.seq_id in want_prompt_logprobs:
