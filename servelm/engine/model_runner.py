@@ -3,10 +3,10 @@
 It owns the model, the paged KV cache, the sampler and, for speculative
 decoding with a draft model, the draft model and its cache. Each step it
 lays the scheduled sequences out as one flattened batch (prefill chunks
-first, then speculating decodes with their proposed tokens, then plain
-decodes; no padding), runs the model once and samples one token for every
-sequence whose chunk reached its end, or verifies a speculating decode's
-proposed tokens at their k + 1 positions and keeps the accepted run.
+first, then decodes, a speculating one with its proposed tokens; no
+padding), runs the model once and samples one token for every sequence
+whose chunk reached its end, or verifies a speculating decode's proposed
+tokens at their k + 1 positions and keeps the accepted run.
 """
 
 from __future__ import annotations
@@ -134,31 +134,36 @@ class ModelRunner:
         speculating seq_id to the distributions its proposed tokens were
         drawn from, where they were drawn (a draft model's sampled proposal).
         """
-        speculating = [d for d in out.decodes if d.proposal]
-        ordered = out.prefills + speculating + [d for d in out.decodes if not d.proposal]
-        chunks = []
-        for sch in ordered:
-            seq, start = sch.seq, sch.start
-            tokens = seq.token_ids[start : start + sch.num_new_tokens - len(sch.proposal)] + sch.proposal
-            chunks.append(Chunk(tokens, start, seq.block_table))
-        batch = flatten(chunks, len(out.prefills) + len(speculating), self.block_size, self.device)
+        chunks = [Chunk(s.seq.token_ids[s.start : s.start + s.num_new_tokens], s.start, s.seq.block_table)
+                  for s in out.prefills]
+        for d in out.decodes:
+            # A speculating decode's last token and proposed ones go in as that many one-token decodes
+            # over the same blocks, each seeing the cache up to its own position (all K/V are written
+            # before attention reads): the kernels of plain decoding, so greedy output stays its own.
+            tokens = [d.seq.token_ids[d.start], *d.proposal]
+            chunks.extend(Chunk([t], d.start + j, d.seq.block_table) for j, t in enumerate(tokens))
+        batch = flatten(chunks, len(out.prefills), self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
         # The rows whose logits are needed: each plain sampling chunk's last, and a speculating decode's
         # last token and proposed ones (k + 1 rows), all through the LM head at once.
-        plain: list[ScheduledSeq] = []
+        plain: list[ScheduledSeq] = [s for s in out.prefills if s.is_sampling]
+        plain_rows = [row for s, row in zip(out.prefills, batch.last_rows) if s.is_sampling]
+        speculating: list[ScheduledSeq] = []
         specs: list[Speculation] = []
-        plain_rows: list[int] = []
         spec_rows: list[int] = []
-        for sch, last in zip(ordered, batch.last_rows):
-            if sch.proposal:
-                spec_rows.extend(range(last - len(sch.proposal), last + 1))
-                seq_id = sch.seq.seq_id
+        row = batch.meta.num_prefill_tokens
+        for d in out.decodes:
+            if d.proposal:
+                spec_rows.extend(range(row, row + 1 + len(d.proposal)))
+                seq_id = d.seq.seq_id
                 probs = (proposal_probs or {}).get(seq_id)
-                specs.append(Speculation(sch.seq.request_id, sampling[seq_id], sch.proposal, probs))
-            elif sch.is_sampling:
-                plain_rows.append(last)
-                plain.append(sch)
+                speculating.append(d)
+                specs.append(Speculation(d.seq.request_id, sampling[seq_id], d.proposal, probs))
+            else:
+                plain_rows.append(row)
+                plain.append(d)
+            row += 1 + len(d.proposal)
         result = StepResult()
         if plain_rows or spec_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(plain_rows + spec_rows, device=self.device)])
