@@ -1,8 +1,8 @@
 """One step's sequences laid out as the flattened batch a model call takes.
 
-Each sequence contributes a chunk of new tokens at consecutive positions
-(a prompt chunk, a decode's one token, a speculating decode's last token and
-proposed tokens); the chunks are concatenated without padding, and the slot
+Each chunk is new tokens of a sequence at consecutive positions (a prompt
+chunk, a decode's one token; a speculating decode gives one chunk per token
+it verifies); the chunks are concatenated without padding, and the slot
 mapping and block tables tell the attention layers where each token's K/V
 go in the paged cache. The target model's runner and the draft model build
 their batches here.
