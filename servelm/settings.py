@@ -142,6 +142,41 @@ class Settings(BaseSettings):
         group="engine",
     )
 
+    speculative_method: Literal["none", "ngram", "draft"] = setting(
+        "none",
+        "none; ngram: prompt lookup, proposing the tokens that followed the last earlier occurrence of the "
+        "text's last few tokens (no second model; pays on tasks that repeat their input: rewriting, "
+        "summarizing, extraction, code edits); draft: a smaller model with the same tokenizer "
+        "(speculative_model) proposes",
+        group="speculative decoding",
+    )
+    speculative_model: str | None = setting(
+        None,
+        "the draft model of speculative_method draft: a bundled name, a Hugging Face folder or a GGUF file "
+        "whose tokenizer is the served model's; its KV cache shares kv_cache_memory",
+        group="speculative decoding",
+        metavar="NAME_OR_PATH",
+        default_text="none",
+    )
+    num_speculative_tokens: int = setting(
+        4, "tokens proposed per sequence and step", group="speculative decoding", metavar="N", ge=1, le=64
+    )
+    speculative_ngram_min: int = setting(
+        1, "ngram: the shortest tail of the text looked up", group="speculative decoding", metavar="N", ge=1
+    )
+    speculative_ngram_max: int = setting(
+        4, "ngram: the longest tail of the text looked up (the longest match wins)",
+        group="speculative decoding", metavar="N", ge=1,
+    )
+    speculative_max_batch_size: int = setting(
+        4,
+        "speculate only while at most this many sequences run: a bigger batch is compute-bound, and the "
+        "rejected tokens' work would cost more than the steps saved",
+        group="speculative decoding",
+        metavar="N",
+        ge=1,
+    )
+
     host: str = setting("127.0.0.1", "address to listen on", group="HTTP", metavar="HOST")
     port: int = setting(8000, "port to listen on, 0 for any free port", group="HTTP", metavar="PORT", ge=0, le=65535)
     api_keys: Annotated[list[str], NoDecode] = setting(
@@ -391,7 +426,7 @@ class Settings(BaseSettings):
         # 0 would refuse (or time out) every request, so it means "no limit".
         return None if value == 0 else value
 
-    @field_validator("embedding_model", mode="before")
+    @field_validator("embedding_model", "speculative_model", mode="before")
     @classmethod
     def _none_disables(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
@@ -427,6 +462,12 @@ class Settings(BaseSettings):
             seed=self.seed,
             quantization=self.quantization,
             cpu_matmul=self.cpu_matmul,
+            speculative_method=self.speculative_method,
+            speculative_model=self.speculative_model,
+            num_speculative_tokens=self.num_speculative_tokens,
+            speculative_ngram_min=self.speculative_ngram_min,
+            speculative_ngram_max=self.speculative_ngram_max,
+            speculative_max_batch_size=self.speculative_max_batch_size,
         )
 
     def read_chat_template(self) -> str | None:

@@ -136,6 +136,16 @@ class EngineCollector(Collector):
             "num_preemptions": CounterMetricFamily(
                 "servelm:num_preemptions", "Sequences preempted (their KV blocks freed, recomputed later).",
                 labels=_MODEL),
+            "spec_decode_num_drafts": CounterMetricFamily(
+                "servelm:spec_decode_num_drafts", "Speculative proposals verified (one per sequence and step).",
+                labels=_MODEL),
+            "spec_decode_num_draft_tokens": CounterMetricFamily(
+                "servelm:spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding and verified.",
+                labels=_MODEL),
+            "spec_decode_num_accepted_tokens": CounterMetricFamily(
+                "servelm:spec_decode_num_accepted_tokens",
+                "Of the proposed tokens, those the target model accepted (acceptance rate: accepted / draft tokens).",
+                labels=_MODEL),
             "model_info": GaugeMetricFamily(
                 "servelm:model_info", "Always 1; its labels say how the model runs (dtype, device).",
                 labels=["model_name", "dtype", "device"]),
@@ -156,6 +166,9 @@ class EngineCollector(Collector):
                 "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits,
                 "num_preemptions": s.num_preemptions,
+                "spec_decode_num_drafts": s.spec_decode_drafts,
+                "spec_decode_num_draft_tokens": s.spec_decode_draft_tokens,
+                "spec_decode_num_accepted_tokens": s.spec_decode_accepted_tokens,
                 "kv_cache_size_tokens": s.kv_cache_tokens,
                 "kv_cache_size_bytes": s.kv_cache_bytes,
             }

@@ -68,6 +68,9 @@ class SamplingFields(OpenAIRequest):
     min_tokens: int = Field(0, description="vLLM extension.")
     ignore_eos: bool = Field(False, description="vLLM extension.")
     skip_special_tokens: bool = Field(True, description="vLLM extension.")
+    speculative_decoding: bool = Field(
+        True, description="servelm extension: false turns speculative decoding off for this request."
+    )
     logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) to a bias in [-100, 100].")
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -257,6 +257,7 @@ def sampling_params(
         "logit_bias": req.logit_bias,
         "seed": req.seed,
         "structured_outputs": structured_outputs,
+        "speculative": req.speculative_decoding,
     }
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):

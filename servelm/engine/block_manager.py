@@ -117,9 +117,9 @@ class BlockManager:
         fresh = self.num_blocks_for(seq.num_tokens) - len(hits)
         return fresh <= len(self._free) - free_hits
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether :meth:`append_slot` can cover ``seq``'s newest token."""
-        need = self.num_blocks_for(seq.num_tokens) - len(seq.block_table)
+    def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
+        """Whether :meth:`append_slot` can cover ``seq``'s newest token and ``num_lookahead`` more."""
+        need = self.num_blocks_for(seq.num_tokens + num_lookahead) - len(seq.block_table)
         return need <= len(self._free)
 
     # ---- changes -------------------------------------------------------
@@ -159,13 +159,31 @@ class BlockManager:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += seq.num_cached_tokens
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Make sure a block exists for every token of ``seq`` (before a decode step)."""
-        need = self.num_blocks_for(seq.num_tokens) - len(seq.block_table)
+    def append_slot(self, seq: Sequence, num_lookahead: int = 0) -> None:
+        """Make sure a block exists for every token of ``seq`` (before a decode step), and for
+        ``num_lookahead`` tokens after them (the proposed tokens a speculative step verifies)."""
+        need = self.num_blocks_for(seq.num_tokens + num_lookahead) - len(seq.block_table)
         if need > len(self._free):
             raise RuntimeError(f"no free KV block for sequence {seq.seq_id}")
         for _ in range(need):
             seq.block_table.append(self._take_fresh())
+
+    def rollback(self, seq: Sequence) -> None:
+        """Free the blocks past those ``seq``'s tokens need: the lookahead slots of rejected proposed tokens.
+
+        Those blocks hold unverified K/V only, so they were never hashed
+        (:meth:`mark_computed` hashes verified tokens alone) and hold no
+        other sequence: they go back as blocks that cache nothing.
+        """
+        keep = self.num_blocks_for(seq.num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            if block.ref_count != 1 or block.hash is not None:
+                raise RuntimeError(f"block {block_id} past sequence {seq.seq_id}'s tokens is shared or hashed")
+            block.ref_count = 0
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
 
     def mark_computed(self, seq: Sequence) -> None:
         """Register the hash of every full block of ``seq`` whose K/V are now computed.

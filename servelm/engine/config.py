@@ -25,6 +25,15 @@ class EngineConfig:
     seed: int = 0
     quantization: str = "none"  # none, or int8: weight-only int8 (CPU), see servelm/models/quantization.py
     cpu_matmul: str = "auto"  # auto, onednn or pairs: decoding's small bf16 matmuls on CPU, see models/packed.py
+    # Speculative decoding (servelm/engine/spec_decode): none, ngram (prompt lookup) or draft (a smaller
+    # model with the same tokenizer, speculative_model). Each step proposes up to num_speculative_tokens
+    # tokens per decoding sequence, only while at most speculative_max_batch_size sequences run.
+    speculative_method: str = "none"
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
+    speculative_max_batch_size: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -41,3 +50,24 @@ class EngineConfig:
             raise ValueError(f"cpu_matmul must be auto, onednn or pairs, got {self.cpu_matmul!r}")
         if isinstance(self.kv_cache_memory, int) and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory in bytes must be > 0, got {self.kv_cache_memory}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_method not in ("none", "ngram", "draft"):
+            raise ValueError(f"speculative_method must be none, ngram or draft, got {self.speculative_method!r}")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative_model names the draft model of speculative_method draft, and only of it")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError(
+                "need 1 <= speculative_ngram_min <= speculative_ngram_max, got "
+                f"{self.speculative_ngram_min} and {self.speculative_ngram_max}"
+            )
+        if self.speculative_max_batch_size < 1:
+            raise ValueError(f"speculative_max_batch_size must be >= 1, got {self.speculative_max_batch_size}")
+
+    @property
+    def speculative(self) -> bool:
+        """True when the engine proposes tokens (speculative_method is not none)."""
+        return self.speculative_method != "none"

@@ -23,6 +23,7 @@ from servelm.engine.sampler import SamplingState, make_generator
 from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import Sequence
+from servelm.engine.spec_decode.proposer import make_proposer, propose, speculative_tokens
 from servelm.engine.vocabulary import vocabulary_error
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(
             self.tokenizer, self.runner.model_config.vocab_size, self.tokenizer.eos_token_ids
         )
+        self.proposer = make_proposer(self.config, self.runner.draft)
         # The request registry: each request's sequences, each sequence's sampling state,
         # and the sequence whose prefill reports prompt logprobs (k of them).
         self._requests: dict[str, list[Sequence]] = {}
@@ -148,6 +150,7 @@ class LLMEngine:
                 arrival_time=arrival,
                 stop_token_ids=frozenset(params.stop_token_ids),
                 eos_token_ids=eos,
+                num_speculative_tokens=speculative_tokens(self.config, params),
             )
             if params.prompt_logprobs is not None and index == 0:
                 # Cached prompt blocks are never recomputed, so their logprobs
@@ -221,6 +224,9 @@ class LLMEngine:
             device=str(runner.device),
             kv_cache_tokens=runner.num_blocks * self.config.block_size,
             kv_cache_bytes=runner.num_blocks * runner.block_bytes,
+            spec_decode_drafts=self.scheduler.num_drafts,
+            spec_decode_draft_tokens=self.scheduler.num_draft_tokens,
+            spec_decode_accepted_tokens=self.scheduler.num_accepted_tokens,
         )
 
     # -- the step ------------------------------------------------------
@@ -228,10 +234,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return outputs of requests that progressed.
 
-        The step reads top-down: the scheduler plans it, the runner computes
-        it and samples, the scheduler appends the tokens and ends the
-        sequences that stopped (freeing their blocks), and the output
-        processor turns the tokens into text and delta outputs.
+        The step reads top-down: the scheduler plans it, the proposer (with
+        speculative decoding) fills in the proposed tokens of the decodes that
+        speculate, the runner computes it and samples or verifies, the
+        scheduler appends the tokens and ends the sequences that stopped
+        (freeing their blocks, rolling back rejected proposals' slots), and
+        the output processor turns the tokens into text and delta outputs.
         """
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -243,13 +251,17 @@ class LLMEngine:
             s.seq.seq_id: self._prompt_logprobs[s.seq.seq_id] for s in out.prefills if s.seq.seq_id in self._prompt_logprobs
         }
         try:
-            result = self.runner.execute(out, sampling, want_prompt_logprobs)
+            speculating = out.speculating
+            probs = propose(self.proposer, speculating, sampling) if self.proposer and speculating else {}
+            result = self.runner.execute(out, sampling, want_prompt_logprobs, probs)
         except Exception:  # a failing step fails its requests, not the engine
             ids = list(dict.fromkeys(s.seq.request_id for s in scheduled))
             logger.exception("engine step failed; failing requests %s", ", ".join(ids))
             return self.fail_requests(ids)
         self._advance_grammars(result)
-        self.scheduler.update_from_output(out, {seq_id: s.token_id for seq_id, s in result.sampled.items()})
+        self.scheduler.update_from_output(
+            out, {seq_id: [s.token_id for s in run] for seq_id, run in result.sampled.items()}
+        )
         # Sequences whose own sampling failed (the runner isolates them, or their grammar
         # refused the token): only their requests fail.
         request_of = {s.seq.seq_id: s.seq.request_id for s in scheduled}
@@ -268,9 +280,12 @@ class LLMEngine:
         sequence counted as failed: the sampler only picks allowed tokens, so
         this takes NaN logits on every one of them.
         """
-        for seq_id, sampled in list(result.sampled.items()):
+        for seq_id, run in list(result.sampled.items()):
             grammar = self._sampling[seq_id].grammar
-            if grammar is not None and not grammar.accept(sampled.token_id):
-                logger.error("sequence %d sampled token %d, which its grammar does not allow", seq_id, sampled.token_id)
+            if grammar is None:
+                continue
+            refused = next((s.token_id for s in run if not grammar.accept(s.token_id)), None)
+            if refused is not None:
+                logger.error("sequence %d sampled token %d, which its grammar does not allow", seq_id, refused)
                 del result.sampled[seq_id]
                 result.failed.append(seq_id)

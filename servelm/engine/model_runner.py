@@ -1,10 +1,12 @@
 """The model runner: turns one scheduled step into one model call and samples.
 
-It owns the model, the paged KV cache and the sampler. Each step it lays the
-scheduled sequences out as one flattened batch (prefill chunks first, then
-decodes, no padding), builds the slot mapping and block tables the attention
-layers read, runs the model once and samples one token for every sequence
-whose chunk reached its end.
+It owns the model, the paged KV cache, the sampler and, for speculative
+decoding with a draft model, the draft model and its cache. Each step it
+lays the scheduled sequences out as one flattened batch (prefill chunks
+first, then decodes, a speculating one with its proposed tokens; no
+padding), runs the model once and samples one token for every sequence
+whose chunk reached its end, or verifies a speculating decode's proposed
+tokens at their k + 1 positions and keeps the accepted run.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import torch
 
 from servelm.engine.config import EngineConfig
 from servelm.engine.device import resolve_device, resolve_dtype
+from servelm.engine.flat_batch import Chunk, flatten
+from servelm.engine.kv_cache import allocate_kv_caches, kv_block_bytes
 from servelm.engine.sample_isolation import sample_isolated
 from servelm.engine.sampler import Sampler, SamplingState
-from servelm.engine.scheduler import SchedulerOutput
+from servelm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from servelm.engine.spec_decode.draft import DraftModel
+from servelm.engine.spec_decode.verifier import Speculation, verify_isolated
 from servelm.kernels import cpu_kernels
-from servelm.layers.attention import AttentionMetadata
 from servelm.models.loader import load_model
 from servelm.models.weight_layout import free_memory_bytes, lay_out_weights
 from servelm.platform.memory import keep_freed_memory
@@ -50,14 +55,16 @@ class PromptLogprob:
 class StepResult:
     """What the model produced in one step.
 
-    ``sampled``: seq_id -> its sampled token, for every sequence that sampled.
+    ``sampled``: seq_id -> the tokens it sampled, for every sequence that
+    sampled: one token, or after a speculative decode the accepted proposed
+    tokens and the one the target drew after them.
     ``prompt_logprobs``: seq_id -> the prompt logprobs its prefill chunk
     computed, one per position of the chunk whose next token is a prompt token.
     ``failed``: the sequences whose own sampling raised (logged by the
     sampler's isolation); the others sampled normally.
     """
 
-    sampled: dict[int, SampledToken] = field(default_factory=dict)
+    sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)
     failed: list[int] = field(default_factory=list)
 
@@ -77,11 +84,14 @@ class ModelRunner:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
+        self.draft: DraftModel | None = None
+        if config.speculative_model is not None:
+            self.draft = DraftModel(config.speculative_model, self.dtype, self.device, config.quantization,
+                                    config.cpu_matmul, self.tokenizer)
         self.num_blocks = self._num_kv_blocks()
-        shape = (2, self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.dtype, self.device)
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks, self.block_size)
         self.sampler = Sampler()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -92,9 +102,9 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        mc = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
+        """Bytes one KV block takes: the target's K/V, and the draft model's beside them."""
+        draft = self.draft.block_bytes(self.block_size) if self.draft is not None else 0
+        return kv_block_bytes(self.model_config, self.block_size, self.dtype) + draft
 
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory
@@ -114,83 +124,76 @@ class ModelRunner:
         out: SchedulerOutput,
         sampling: dict[int, SamplingState],
         want_prompt_logprobs: dict[int, int],
+        proposal_probs: dict[int, torch.Tensor] | None = None,
     ) -> StepResult:
         """Run one scheduled step.
 
         ``sampling`` holds the sampling state of every sequence that samples
         this step; ``want_prompt_logprobs`` maps seq_id to k for prefill
-        chunks whose prompt logprobs are wanted.
+        chunks whose prompt logprobs are wanted; ``proposal_probs`` maps a
+        speculating seq_id to the distributions its proposed tokens were
+        drawn from, where they were drawn (a draft model's sampled proposal).
         """
-        scheduled = out.scheduled
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []  # flattened index of the last token of each sampling chunk
-        sample_seqs: list[int] = []
-        sample_requests: list[str] = []
-        prompt_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, start position)
-        bs = self.block_size
-        for sch in scheduled:
-            seq = sch.seq
-            start = seq.num_computed_tokens
-            end = start + sch.num_new_tokens
-            row0 = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(end - start)
-            context_lens.append(end)
-            tables.append(table)
-            if sch.is_sampling:
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq.seq_id)
-                sample_requests.append(seq.request_id)
-            if seq.seq_id in want_prompt_logprobs:
-                prompt_rows[seq.seq_id] = (row0, start)
+        chunks = [Chunk(s.seq.token_ids[s.start : s.start + s.num_new_tokens], s.start, s.seq.block_table)
+                  for s in out.prefills]
+        for d in out.decodes:
+            # A speculating decode's last token and proposed ones go in as that many one-token decodes
+            # over the same blocks, each seeing the cache up to its own position (all K/V are written
+            # before attention reads): the kernels of plain decoding, so greedy output stays its own.
+            tokens = [d.seq.token_ids[d.start], *d.proposal]
+            chunks.extend(Chunk([t], d.start + j, d.seq.block_table) for j, t in enumerate(tokens))
+        batch = flatten(chunks, len(out.prefills), self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
-        dev = self.device
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        num_prefills = len(out.prefills)
-        decode_lens = context_lens[num_prefills:]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_lens=query_lens,
-            context_lens=context_lens,
-            block_tables=block_tables.to(dev),
-            num_prefills=num_prefills,
-            num_prefill_tokens=sum(query_lens[:num_prefills]),
-            decode_lens=torch.tensor(decode_lens, dtype=torch.long, device=dev) if decode_lens else None,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-        )
-
+        # The rows whose logits are needed: each plain sampling chunk's last, and a speculating decode's
+        # last token and proposed ones (k + 1 rows), all through the LM head at once.
+        plain: list[ScheduledSeq] = [s for s in out.prefills if s.is_sampling]
+        plain_rows = [row for s, row in zip(out.prefills, batch.last_rows) if s.is_sampling]
+        speculating: list[ScheduledSeq] = []
+        specs: list[Speculation] = []
+        spec_rows: list[int] = []
+        row = batch.meta.num_prefill_tokens
+        for d in out.decodes:
+            if d.proposal:
+                spec_rows.extend(range(row, row + 1 + len(d.proposal)))
+                seq_id = d.seq.seq_id
+                probs = (proposal_probs or {}).get(seq_id)
+                speculating.append(d)
+                specs.append(Speculation(d.seq.request_id, sampling[seq_id], d.proposal, probs))
+            else:
+                plain_rows.append(row)
+                plain.append(d)
+            row += 1 + len(d.proposal)
         result = StepResult()
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-            states = [sampling[s] for s in sample_seqs]
-            for i, row in enumerate(sample_isolated(self.sampler, logits, states, sample_requests)):
-                seq_id = sample_seqs[i]
-                if row is None:
-                    result.failed.append(seq_id)
-                else:
-                    result.sampled[seq_id] = SampledToken(*row)
-        for sch in out.prefills:
+        if plain_rows or spec_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(plain_rows + spec_rows, device=self.device)])
+            self._sample(logits[: len(plain_rows)], plain, sampling, result)
+            if specs:
+                runs = verify_isolated(logits[len(plain_rows) :], specs)
+                for sch, run in zip(speculating, runs):
+                    if run is None:
+                        result.failed.append(sch.seq.seq_id)
+                    else:
+                        result.sampled[sch.seq.seq_id] = [SampledToken(*row) for row in run]
+        for i, sch in enumerate(out.prefills):
             seq = sch.seq
-            if seq.seq_id in prompt_rows:
-                row0, start = prompt_rows[seq.seq_id]
+            if seq.seq_id in want_prompt_logprobs:
+                row0 = batch.last_rows[i] - sch.num_new_tokens + 1
                 result.prompt_logprobs[seq.seq_id] = self._prompt_logprobs(
-                    hidden, row0, start, sch.num_new_tokens, seq, want_prompt_logprobs[seq.seq_id]
+                    hidden, row0, sch.start, sch.num_new_tokens, seq, want_prompt_logprobs[seq.seq_id]
                 )
         return result
+
+    def _sample(self, logits, plain: list[ScheduledSeq], sampling, result: StepResult) -> None:
+        if not plain:
+            return
+        states = [sampling[s.seq.seq_id] for s in plain]
+        requests = [s.seq.request_id for s in plain]
+        for sch, row in zip(plain, sample_isolated(self.sampler, logits, states, requests)):
+            if row is None:
+                result.failed.append(sch.seq.seq_id)
+            else:
+                result.sampled[sch.seq.seq_id] = [SampledToken(*row)]
 
     def _prompt_logprobs(self, hidden, row0, start, num_new, seq, k) -> list[PromptLogprob]:
         # Row r predicts token r + 1; only positions whose next token is a

@@ -1,13 +1,14 @@
 """The engine's output side: new tokens into text, stop strings, logprob text and delta outputs.
 
 By the time the output processor sees a step, the scheduler has appended
-each sampled token to its sequence and ended the sequences that met a stop
-token, their end-of-text token or their length. For each new token the
-output processor then
+each sampled token to its sequence (several, after a speculative decode) and
+ended the sequences that met a stop token, their end-of-text token or their
+length. For each new token, in order, the output processor then
 
 - turns it into text with the sequence's incremental detokenizer, which
   holds back text that may still become a stop string, and ends the
-  sequence (through the scheduler) when a stop string appears;
+  sequence (through the scheduler) when a stop string appears, dropping
+  any tokens of the same step after it;
 - with a tool-call parser (``SamplingParams.tool_call_parser``), splits the
   text into content and tool-call pieces, each choice with its own parser;
 - records its logprobs, with each token's text;
@@ -48,6 +49,7 @@ class _Choice:
     text: str = ""  # the content: with a parser, the text outside tool calls
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # the parser's pieces so far
     cumulative_logprob: float = 0.0
+    num_tokens: int = 0  # generated tokens turned into text so far
     # How much has been handed out already (delta outputs).
     sent_tokens: int = 0
     sent_text: int = 0
@@ -154,11 +156,16 @@ class OutputProcessor:
                 token_id = state.prompt_token_ids[p.position]
                 state.prompt_logprobs[p.position] = self._position_logprobs(token_id, p.logprob, p.top_logprobs)
         progressed: dict[str, None] = {}  # insertion-ordered set
-        for seq_id, sampled in result.sampled.items():
+        for seq_id, run in result.sampled.items():
             choice = self._choices.get(seq_id)
             if choice is None:
                 continue  # its request ended during the step
-            self._add_token(choice, sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            # The scheduler appended the run up to the token that ended the sequence, if any.
+            appended = run[: choice.seq.num_generated_tokens - choice.num_tokens]
+            for i, sampled in enumerate(appended):
+                last = i == len(appended) - 1
+                if self._add_token(choice, sampled.token_id, sampled.logprob, sampled.top_logprobs, last):
+                    break
             progressed[choice.seq.request_id] = None
         outputs = []
         for rid in progressed:
@@ -178,24 +185,30 @@ class OutputProcessor:
                 choice.seq.finish_reason = "error"
         return self._make_output(state)
 
-    def _add_token(self, choice: _Choice, token_id: int, logprob: float, top) -> None:
+    def _add_token(self, choice: _Choice, token_id: int, logprob: float, top, last: bool) -> bool:
+        """Add the sequence's next token (``last``: the newest it has); True when a stop string ended it here."""
         seq = choice.seq
+        choice.num_tokens += 1
         choice.cumulative_logprob += logprob
         if choice.logprobs is not None:
             choice.logprobs.append(self._position_logprobs(token_id, logprob, top or []))
-        if seq.finish_reason == "stop":
+        if last and seq.finish_reason == "stop":
             # A stop token or the end of text: its own text is never shown.
             self._add_text(choice, choice.detok.flush(), last=True)
-            return
+            return False
         text, stop = choice.detok.add_token(token_id)
         if stop is not None:
-            # The stop string came with this token: it wins over a length limit reached by the same token.
+            # The stop string came with this token: it wins over a length limit reached by the same token,
+            # and the tokens a speculative step accepted after it go.
             self._add_text(choice, text, last=True)
+            seq.truncate(choice.num_tokens)
             self._finish(seq, "stop", stop)
-        elif seq.finish_reason is not None:
+            return True
+        if last and seq.finish_reason is not None:
             self._add_text(choice, text + choice.detok.flush(), last=True)
         else:
             self._add_text(choice, text, last=False)
+        return False
 
     @staticmethod
     def _add_text(choice: _Choice, text: str, last: bool) -> None:

@@ -112,7 +112,10 @@ class EngineStats:
     fraction of KV blocks held by sequences (free blocks kept for the prefix
     cache do not count); the prefix-cache figures count prompt tokens looked
     up and found since the engine started. ``dtype``, ``device`` and the KV
-    cache's size (tokens, bytes) describe the engine and never change.
+    cache's size (tokens, bytes) describe the engine and never change. The
+    ``spec_decode_`` totals count speculative decoding's verified proposals,
+    their proposed tokens and of those the accepted ones (the acceptance
+    rate is accepted / draft tokens).
     """
 
     model: str
@@ -126,6 +129,9 @@ class EngineStats:
     device: str = ""
     kv_cache_tokens: int = 0
     kv_cache_bytes: int = 0
+    spec_decode_drafts: int = 0
+    spec_decode_draft_tokens: int = 0
+    spec_decode_accepted_tokens: int = 0
     replica: str | None = None  # which replica of a Ray deployment; None: this process, or a sum
 
 

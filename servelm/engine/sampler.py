@@ -112,7 +112,7 @@ class Sampler:
         return SamplerOutput(
             token_ids=token_ids.tolist(),
             logprobs=chosen.tolist(),
-            top_logprobs=_top_logprobs(raw_logprobs, states),
+            top_logprobs=top_logprobs(raw_logprobs, states),
         )
 
 
@@ -246,8 +246,24 @@ def _sample(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> 
     left: everything banned, or an overflow to infinity) takes the greedy
     token of its processed logits instead; the other rows are unaffected.
     """
+    probs, degenerate = sampling_probs(x, states)
+    if not degenerate.any():
+        return random_choice(probs, [s.generator for s in states])
+    # The draw still runs for every row, so seeded rows consume their generators as always.
+    tokens = random_choice(torch.where(degenerate[:, None], 1.0, probs), [s.generator for s in states])
+    bad = degenerate.nonzero()[:, 0]
+    tokens[bad] = greedy_tokens(x[bad], raw[bad])
+    return tokens
+
+
+def sampling_probs(x: torch.Tensor, states: list[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution each row's random draw samples from, and which rows degenerate.
+
+    ``x`` holds processed logits; temperature, top-k, top-p and min-p apply,
+    then softmax. A degenerate row (True in the second tensor) has no finite,
+    positive probability left, and its draw must fall back to greedy.
+    """
     dev, vocab = x.device, x.shape[1]
-    processed = x
     params = [s.params for s in states]
     x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
     stages = (
@@ -265,14 +281,7 @@ def _sample(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> 
                 index = torch.tensor(rows, device=dev)
                 x[index] = stage(x[index], values)
     probs = x.softmax(dim=-1)
-    degenerate = ~(probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0))
-    if not degenerate.any():
-        return random_choice(probs, [s.generator for s in states])
-    # The draw still runs for every row, so seeded rows consume their generators as always.
-    tokens = random_choice(torch.where(degenerate[:, None], 1.0, probs), [s.generator for s in states])
-    bad = degenerate.nonzero()[:, 0]
-    tokens[bad] = greedy_tokens(processed[bad], raw[bad])
-    return tokens
+    return probs, ~(probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0))
 
 
 def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
@@ -344,7 +353,8 @@ def random_choice(probs: torch.Tensor, generators: list[torch.Generator | None])
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
 
 
-def _top_logprobs(raw_logprobs: torch.Tensor, states: list[SamplingState]) -> list | None:
+def top_logprobs(raw_logprobs: torch.Tensor, states: list[SamplingState]) -> list | None:
+    """Each row's ``params.logprobs`` highest raw logprobs, as in :class:`SamplerOutput`."""
     wanted = [s.params.logprobs for s in states]
     asking = [i for i, k in enumerate(wanted) if k is not None]
     if not asking:

@@ -75,6 +75,8 @@ class SamplingParams:
     # The tool-call format to read the text in (servelm.engine.tool_parsers): each
     # choice's text is then split into content and tool calls. None: plain text.
     tool_call_parser: str | None = None
+    # False: never speculate for this request; True: speculate where the engine has a method and it applies.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -143,6 +145,8 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.speculative, bool):
+            bad("speculative", "must be true or false")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias", "values must be in [-100, 100]")
         if self.tool_call_parser is not None and self.tool_call_parser not in FORMATS:

@@ -31,6 +31,13 @@ class Sequence:
     checks these as it appends each token. Stop strings are found later, in
     the text, by the output processor.
 
+    With speculative decoding a decode step may verify up to
+    ``num_speculative_tokens`` proposed tokens after the last one (0: this
+    sequence never speculates); the scheduler appends the accepted ones.
+    ``num_draft_computed`` counts the leading tokens whose K/V the draft model
+    holds (draft mode only); like ``num_computed_tokens`` it drops to 0 when
+    the sequence loses its blocks.
+
     ``eq=False`` keeps identity semantics: two sequences with the same
     tokens are still two sequences (lists of them are searched by identity).
     """
@@ -48,6 +55,8 @@ class Sequence:
     # False makes admission skip the prefix cache lookup, so every prompt
     # position is computed (prompt logprobs need the logits of each one).
     use_prefix_cache: bool = True
+    num_speculative_tokens: int = 0
+    num_draft_computed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_ids: frozenset[int] = frozenset()
     finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
@@ -104,6 +113,11 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """Add a sampled token; its K/V are computed by the next step."""
         self.token_ids.append(token_id)
+
+    def truncate(self, num_generated: int) -> None:
+        """Drop generated tokens past the first ``num_generated`` (a stop string inside a speculative run ends
+        the sequence at its token, and the accepted tokens after it must go)."""
+        del self.token_ids[self.num_prompt_tokens + num_generated :]
 
     def stop_for_token(self, token_id: int) -> tuple[str, int | None] | None:
         """(finish_reason, stop_reason) if appending ``token_id`` ends the sequence, else None."""

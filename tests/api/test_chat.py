@@ -191,6 +191,7 @@ async def test_every_sampling_field_reaches_the_engine(client, fake):
         stop_token_ids=[7],
         skip_special_tokens=False,
         include_stop_str_in_output=True,
+        speculative_decoding=False,
         seed=42,
         stop="xyz",
         logit_bias={"5": 10},
@@ -217,12 +218,14 @@ async def test_every_sampling_field_reaches_the_engine(client, fake):
     assert (p.min_tokens, p.ignore_eos, p.stop_token_ids, p.skip_special_tokens) == (1, True, [7], False)
     assert (p.include_stop_str_in_output, p.seed, p.stop, p.logit_bias) == (True, 42, ["xyz"], {5: 10.0})
     assert p.max_tokens == 3  # max_completion_tokens wins over max_tokens
+    assert p.speculative is False
 
 
 async def test_defaults_are_the_engines(client, fake):
     await chat(client)
     p = fake.generate_calls[0][3]
     assert (p.temperature, p.top_p, p.top_k, p.n, p.logprobs, p.stop) == (1.0, 1.0, -1, 1, None, [])
+    assert p.speculative is True  # speculative decoding applies wherever the server has it
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,8 @@ async def test_engine_figures_come_from_the_connector_at_each_scrape():
     class Busy(FakeConnector):
         async def engine_stats(self):
             return [EngineStats(MODEL, num_running=3, num_waiting=5, kv_cache_usage=0.25,
-                                prefix_cache_queries=640, prefix_cache_hits=128, num_preemptions=2)]
+                                prefix_cache_queries=640, prefix_cache_hits=128, num_preemptions=2,
+                                spec_decode_drafts=7, spec_decode_draft_tokens=28, spec_decode_accepted_tokens=19)]
 
     fake = Busy()
     async with make_client(make_app(fake)) as c:
@@ -91,6 +92,9 @@ async def test_engine_figures_come_from_the_connector_at_each_scrape():
     assert value(m, "servelm:prefix_cache_queries_total", model_name=MODEL) == 640
     assert value(m, "servelm:prefix_cache_hits_total", model_name=MODEL) == 128
     assert value(m, "servelm:num_preemptions_total", model_name=MODEL) == 2
+    assert value(m, "servelm:spec_decode_num_drafts_total", model_name=MODEL) == 7
+    assert value(m, "servelm:spec_decode_num_draft_tokens_total", model_name=MODEL) == 28
+    assert value(m, "servelm:spec_decode_num_accepted_tokens_total", model_name=MODEL) == 19
 
 
 async def test_admission_rejections_are_counted(fake):

@@ -56,6 +56,7 @@ async def post_raw(client, path: str, body: Any):
         ("/v1/completions", "max_tokens", 2.0, "got 2.0"),
         ("/v1/completions", "echo", "true", 'got "true"'),
         ("/v1/completions", "ignore_eos", 0, "got 0"),
+        ("/v1/completions", "speculative_decoding", "false", 'got "false"'),
     ],
 )
 async def test_types_are_strict(client, fake, path, field, value, shown):

@@ -88,6 +88,17 @@ def test_engine_flags_build_the_engine_config(tmp_path):
     )
 
 
+def test_speculative_flags_build_the_engine_config():
+    s = load(["--speculative-method", "draft", "--speculative-model", "smollm2-135m-instruct",
+              "--num-speculative-tokens", "6", "--speculative-ngram-min", "2", "--speculative-ngram-max", "3",
+              "--speculative-max-batch-size", "8"])
+    config = s.engine_config()
+    assert (config.speculative_method, config.speculative_model, config.num_speculative_tokens) == (
+        "draft", "smollm2-135m-instruct", 6)
+    assert (config.speculative_ngram_min, config.speculative_ngram_max, config.speculative_max_batch_size) == (2, 3, 8)
+    assert load(["--speculative-method", "ngram", "--speculative-model", "none"]).engine_config().speculative
+
+
 def test_embedding_model_none():
     assert load(["--embedding-model", "none"]).embedding_model is None
 
@@ -120,6 +131,12 @@ def test_parse_memory(value, expected):
         (["--device", "tpu"], "device"),
         (["--max-body-bytes", "-1"], "max_body_bytes"),
         (["--dtype", "int4"], "dtype"),
+        (["--speculative-method", "medusa"], "--speculative-method"),
+        (["--speculative-method", "draft"], "speculative_model"),
+        (["--speculative-method", "ngram", "--speculative-model", "x"], "speculative_model"),
+        (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
+        (["--speculative-ngram-min", "3", "--speculative-ngram-max", "2"], "speculative_ngram_min"),
+        (["--speculative-max-batch-size", "0"], "speculative_max_batch_size"),
         (["--no-such-flag"], "--no-such-flag"),
     ],
 )

@@ -204,7 +204,8 @@ def _snapshot(replica: str, running: int, waiting: int, kv: float, hits: int, ag
         "replica": replica, "node_id": "n", "node_ip": "127.0.0.1", "pid": 1, "state": state,
         "running": running, "waiting": waiting, "kv_cache_usage": kv, "received": time.time() - age,
         "engines": [{"model": "m", "num_running": running, "num_waiting": waiting, "kv_cache_usage": kv,
-                     "prefix_cache_queries": 100, "prefix_cache_hits": hits, "num_preemptions": 0}],
+                     "prefix_cache_queries": 100, "prefix_cache_hits": hits, "num_preemptions": 0,
+                     "spec_decode_drafts": 3, "spec_decode_draft_tokens": 12, "spec_decode_accepted_tokens": hits}],
     }
 
 
@@ -220,6 +221,7 @@ def test_stats_sum_live_replicas_and_show_the_stale_ones():
     total = next(e for e in engine if e.replica is None)
     assert (total.num_running, total.prefix_cache_hits, total.prefix_cache_queries) == (3, 40, 200)
     assert total.kv_cache_usage == pytest.approx(0.375)
+    assert (total.spec_decode_drafts, total.spec_decode_draft_tokens, total.spec_decode_accepted_tokens) == (6, 24, 40)
     assert sorted(e.replica for e in engine if e.replica) == ["a", "b"]
     states = {r.replica: r.state for r in stats.replicas()}
     assert states == {"a": "RUNNING", "b": "RUNNING", "c": "UNRESPONSIVE"}

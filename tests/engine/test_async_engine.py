@@ -77,11 +77,11 @@ async def test_failing_step_fails_its_requests_only(engine, monkeypatch, caplog)
     real = runner.execute
     calls = {"n": 0}
 
-    def flaky(out, sampling, want):
+    def flaky(out, sampling, want, *proposals):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected fault")
-        return real(out, sampling, want)
+        return real(out, sampling, want, *proposals)
 
     monkeypatch.setattr(runner, "execute", flaky)
     with caplog.at_level(logging.ERROR, logger="servelm.engine.llm_engine"):

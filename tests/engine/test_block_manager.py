@@ -338,3 +338,59 @@ def test_capacity_is_every_slot_of_every_block_and_bounds_what_can_ever_fit():
     seq = make_seq(list(range(bm.capacity_tokens)))
     assert bm.num_blocks_for(seq.num_tokens) == bm.num_blocks  # the longest sequence takes the whole cache
     assert bm.num_blocks_for(bm.capacity_tokens + 1) > bm.num_blocks
+
+
+# ---- speculative decoding: lookahead slots and their rollback ----------------
+
+
+def test_lookahead_slots_are_allocated_and_rolled_back_to_the_tokens_kept():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    seq = make_seq(list(range(6)))  # 2 blocks
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    seq.num_computed_tokens = 5  # a decode: the last token is computed with the proposed ones
+    assert bm.can_append(seq, 7) and not bm.can_append(seq, 6 * BS + 3)
+    bm.append_slot(seq, 7)  # 6 tokens + 7 proposed: 4 blocks
+    assert len(seq.block_table) == 4 and bm.num_free_blocks == 4
+    lookahead = seq.block_table[2:]
+    # One proposed token accepted, plus the token the target drew: 8 tokens, 2 blocks.
+    seq.append_token(6)
+    seq.append_token(7)
+    seq.num_computed_tokens = 7
+    bm.mark_computed(seq)
+    bm.rollback(seq)
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
+    assert all(bm.blocks[b].ref_count == 0 and bm.blocks[b].hash is None for b in lookahead)
+    bm.check_invariants()
+    # They cache nothing, so they are handed out before any block that does.
+    other = make_seq([50, 51, 52, 53, 54], 1)
+    bm.allocate(other)
+    assert other.block_table == lookahead
+    bm.free(other)
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and refcounts(bm) == [0] * 8
+    bm.check_invariants()
+
+
+def test_rollback_keeps_a_block_the_kept_tokens_reach_into():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    seq = make_seq(list(range(3)))
+    bm.allocate(seq)
+    seq.num_computed_tokens = 2
+    bm.append_slot(seq, 4)  # 3 tokens + 4 proposed: 2 blocks
+    assert len(seq.block_table) == 2
+    for token in (3, 4):  # one accepted, one drawn: 5 tokens still need both blocks
+        seq.append_token(token)
+    bm.rollback(seq)
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
+    bm.check_invariants()
+
+
+def test_rollback_refuses_a_hashed_or_shared_block():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    seq = make_seq(list(range(8)))
+    bm.allocate(seq)
+    compute_all(bm, seq)  # both blocks hashed
+    del seq.token_ids[4:]  # a sequence whose tokens no longer reach its second, hashed block
+    with pytest.raises(RuntimeError, match="shared or hashed"):
+        bm.rollback(seq)

@@ -40,14 +40,17 @@ class Harness:
         return seqs
 
     def step(self, tokens: dict[Sequence, tuple[str, float]]):
+        """One step; a string of several characters is a speculative step's accepted run."""
         result = StepResult()
-        for seq, (char, logprob) in tokens.items():
-            token = ord(char)
-            seq.append_token(token)
-            stop = seq.stop_for_token(token)
-            if stop is not None:
-                self._finish(seq, *stop)
-            result.sampled[seq.seq_id] = SampledToken(token, logprob, None)
+        for seq, (chars, logprob) in tokens.items():
+            run = [SampledToken(ord(c), logprob, None) for c in chars]
+            for sampled in run:  # as the scheduler appends: up to the token that ends the sequence
+                seq.append_token(sampled.token_id)
+                stop = seq.stop_for_token(sampled.token_id)
+                if stop is not None:
+                    self._finish(seq, *stop)
+                    break
+            result.sampled[seq.seq_id] = run
         return self.proc.process(result)
 
 
@@ -104,3 +107,52 @@ def test_a_failed_request_reports_its_error_and_ends_every_choice():
     assert [c.finish_reason for c in out.outputs] == ["error", "error"]
     h.proc.remove("r")
     assert h.proc.fail("r", "again") is None
+
+
+# ---- several tokens per step (speculative decoding) ---------------------------
+
+
+def test_a_run_of_tokens_reads_as_the_same_tokens_one_step_each():
+    one, many = Harness(), Harness()
+    params = SamplingParams(stop=["xy"], logprobs=0)
+    (a,) = one.add("r", params)
+    (b,) = many.add("r", params)
+    singles = [one.step({a: (c, -0.25)}) for c in "hello "]
+    runs = [many.step({b: (run, -0.25)}) for run in ("hel", "lo ")]
+    total_one = total_many = None
+    for (out,) in singles:
+        total_one = accumulate(total_one, out)
+    for (out,) in runs:
+        total_many = accumulate(total_many, out)
+    c1, c2 = total_one.outputs[0], total_many.outputs[0]
+    assert (c2.text, c2.token_ids) == (c1.text, c1.token_ids) == ("hello ", [ord(c) for c in "hello "])
+    assert c2.cumulative_logprob == c1.cumulative_logprob == -1.5
+    assert [lp.chosen.token_id for lp in c2.logprobs] == c2.token_ids
+
+
+def test_a_stop_string_inside_a_run_cuts_the_run_there():
+    h = Harness()
+    (seq,) = h.add("r", SamplingParams(stop=["xy"]))
+    (out,) = h.step({seq: ("abxycd", -1.0)})
+    choice = out.outputs[0]
+    assert (choice.text, choice.finish_reason, choice.stop_reason) == ("ab", "stop", "xy")
+    assert choice.token_ids == [ord(c) for c in "abxy"]  # the accepted tokens after the stop string are gone
+    assert seq.generated_token_ids == choice.token_ids
+    assert choice.cumulative_logprob == -4.0 and h.finished == [(seq.seq_id, "stop", "xy")]
+
+
+def test_a_stop_token_inside_a_run_ends_it_unshown():
+    h = Harness()
+    (seq,) = h.add("r", SamplingParams(stop_token_ids=[ord("!")]))
+    (out,) = h.step({seq: ("ab!cd", 0.0)})
+    choice = out.outputs[0]
+    assert (choice.text, choice.finish_reason, choice.stop_reason) == ("ab", "stop", ord("!"))
+    assert choice.token_ids == [ord(c) for c in "ab!"]
+
+
+def test_max_tokens_reached_inside_a_run_keeps_the_run_up_to_it():
+    h = Harness()
+    (seq,) = h.add("r", SamplingParams(max_tokens=3, stop=["zz"]), max_tokens=3)
+    (out,) = h.step({seq: ("abcde", 0.0)})
+    choice = out.outputs[0]
+    assert (choice.text, choice.finish_reason) == ("abc", "length")

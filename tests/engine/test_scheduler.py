@@ -2,10 +2,12 @@
 
 The fake "model" samples a token that is a function of the whole sequence,
 so every completion is reproducible whatever the schedule (preemption,
-chunking, prefix hits) and can be compared with a plain reference loop. A
-fake KV cache records, for every slot written, which token prefix it holds:
-a step may only read slots holding its own prefix, and may only write
-blocks no other sequence holds.
+chunking, prefix hits, speculation) and can be compared with a plain
+reference loop. A fake KV cache records, for every slot written, which token
+prefix it holds: a step may only read slots holding its own prefix, and may
+only write blocks no other sequence holds. Speculating decodes get proposals
+that are partly wrong, so rejected tokens' K/V land in the cache and must
+never be read or shared.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from servelm.engine.block_manager import BlockManager
@@ -37,8 +39,12 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 class FakeEngine:
     """Schedules, "runs" and updates steps the way the real engine does."""
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, **config):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, spec_tokens: int = 0,
+                 wrong_every: int = 2, **config):
         self.config = EngineConfig(enable_prefix_caching=enable_prefix_caching, **config)
+        self.spec_tokens = spec_tokens  # each new sequence's num_speculative_tokens
+        self.wrong_every = wrong_every  # how often a proposed token is wrong (see propose)
+        self.proposed = self.accepted = 0
         self.bm = BlockManager(num_blocks, self.config.block_size, enable_prefix_caching)
         self.sched = Scheduler(self.config, self.bm)
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -49,7 +55,8 @@ class FakeEngine:
 
     def add(self, prompt: list[int], max_tokens: int, request_id: str | None = None, arrival: float = 0.0):
         rid = request_id or f"r{self.next_id}"
-        seq = Sequence(self.next_id, rid, prompt, len(prompt), max_tokens, arrival)
+        seq = Sequence(self.next_id, rid, prompt, len(prompt), max_tokens, arrival,
+                       num_speculative_tokens=self.spec_tokens)
         self.next_id += 1
         self.sched.add(seq)
         return seq
@@ -64,10 +71,10 @@ class FakeEngine:
 
     def step(self) -> SchedulerOutput:
         waiting_before = {id(s) for s in self.sched.waiting}
+        running_before = len(self.sched.running)
         out = self.sched.schedule()
         self.steps += 1
         self.check()
-        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
         scheduled = out.prefills + out.decodes
         assert len({id(s.seq) for s in scheduled}) == len(scheduled)
         for seq in out.preempted:
@@ -76,28 +83,58 @@ class FakeEngine:
         self.admissions += [s.seq.seq_id for s in out.prefills if id(s.seq) in waiting_before]
         for d in out.decodes:
             assert d.num_new_tokens == 1 and d.seq.num_computed_tokens == d.seq.num_tokens - 1
+            assert d.num_lookahead <= d.seq.max_tokens - d.seq.num_generated_tokens - 1
+            if d.num_lookahead:
+                assert running_before <= self.config.speculative_max_batch_size
+                d.propose(self.propose(d.seq, d.num_lookahead))
+        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
         for sch in scheduled:
             self._run(sch)
-        sampled = {s.seq.seq_id: next_token(s.seq.token_ids) for s in scheduled if s.is_sampling}
+        sampled = {s.seq.seq_id: self.verify(s.seq.token_ids, s.proposal) for s in scheduled if s.is_sampling}
         for seq in self.sched.update_from_output(out, sampled):
             assert (seq.finish_reason, seq.num_generated_tokens) == ("length", seq.max_tokens)
             self.finished[seq.seq_id] = seq.generated_token_ids
         self.check()
         return out
 
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to ``k`` tokens (sometimes fewer, sometimes none): the true continuation, every
+        ``wrong_every``th token wrong (1: all wrong)."""
+        tokens = list(seq.token_ids)
+        proposal = []
+        for j in range(min(k, (seq.num_tokens + seq.seq_id) % (k + 2))):
+            right = next_token(tokens)
+            token = (right + 1) % 11 if (seq.num_tokens + j) % self.wrong_every == 0 else right
+            proposal.append(token)
+            tokens.append(token)
+        return proposal
+
+    def verify(self, tokens: list[int], proposal: list[int]) -> list[int]:
+        """What the runner's greedy verification returns: the proposed tokens the model agrees with, then its own."""
+        run = []
+        for token in proposal:
+            right = next_token(tokens + run)
+            if token != right:
+                break
+            run.append(token)
+        self.proposed += len(proposal)
+        self.accepted += len(run)
+        return run + [next_token(tokens + run)]
+
     def _run(self, sch: ScheduledSeq) -> None:
         seq, bs = sch.seq, self.config.block_size
         assert sch.start == seq.num_computed_tokens and sch.num_new_tokens >= 1
-        assert sch.start + sch.num_new_tokens <= seq.num_tokens
+        assert sch.start + sch.num_new_tokens <= seq.num_tokens + len(sch.proposal)
         assert seq.status is SequenceStatus.RUNNING
-        assert len(seq.block_table) * bs >= seq.num_tokens
+        assert len(seq.block_table) * bs >= seq.num_tokens + len(sch.proposal)
         for p in range(sch.start):  # attention reads every earlier slot
             slot = (seq.block_table[p // bs], p % bs)
             assert self.kv.get(slot) == tuple(seq.token_ids[: p + 1]), f"seq {seq.seq_id} misreads slot {p}"
+        tokens = seq.token_ids + sch.proposal
         for p in range(sch.start, sch.start + sch.num_new_tokens):
             block = seq.block_table[p // bs]
             assert self.bm.blocks[block].ref_count == 1, f"seq {seq.seq_id} writes into shared block {block}"
-            self.kv[(block, p % bs)] = tuple(seq.token_ids[: p + 1])
+            self.kv[(block, p % bs)] = tuple(tokens[: p + 1])
 
     def run(self, max_steps: int = 1000) -> None:
         while self.sched.has_unfinished():
@@ -130,7 +167,7 @@ def test_scheduled_seq_snapshots_survive_the_update():
     out = eng.sched.schedule()
     (sch,) = out.prefills
     assert (sch.start, sch.num_new_tokens, sch.is_sampling) == (0, 5, True)
-    assert eng.sched.update_from_output(out, {seq.seq_id: 7}) == []
+    assert eng.sched.update_from_output(out, {seq.seq_id: [7]}) == []
     assert seq.token_ids == [1, 2, 3, 4, 5, 7] and seq.num_computed_tokens == 5
     assert (sch.start, sch.is_sampling) == (0, True)
 
@@ -144,7 +181,7 @@ def test_the_update_ends_a_sequence_on_a_stop_token_or_its_eos(token, finish_rea
     seq = Sequence(0, "r", [1, 2, 3], 3, max_tokens=5, stop_token_ids=frozenset({50}), eos_token_ids=frozenset({60}))
     eng.sched.add(seq)
     out = eng.sched.schedule()
-    finished = eng.sched.update_from_output(out, {seq.seq_id: token})
+    finished = eng.sched.update_from_output(out, {seq.seq_id: [token]})
     assert (seq.finish_reason, seq.stop_reason) == (finish_reason, stop_reason)
     assert finished == ([seq] if finish_reason else [])
     assert seq.is_finished == (finish_reason is not None)
@@ -290,10 +327,126 @@ def test_the_update_skips_a_sequence_aborted_during_the_step():
     seq = eng.add([1, 2, 3], max_tokens=2)
     out = eng.sched.schedule()
     eng.sched.abort(seq.request_id)
-    assert eng.sched.update_from_output(out, {seq.seq_id: 5}) == []
+    assert eng.sched.update_from_output(out, {seq.seq_id: [5]}) == []
     assert (seq.num_computed_tokens, seq.num_tokens, seq.finish_reason) == (0, 3, "abort")
     eng.check()
     assert eng.bm.num_free_blocks == 8
+
+
+# ---- speculative decoding ---------------------------------------------------
+
+
+def test_a_speculating_decode_reserves_its_lookahead_and_rolls_back_what_was_rejected():
+    eng = FakeEngine(num_blocks=16, block_size=2, spec_tokens=4)
+    seq = eng.add([1, 2, 3], max_tokens=20)
+    expected = reference([1, 2, 3], 20)
+    eng.step()  # the prefill samples the first token
+    out = eng.sched.schedule()
+    (d,) = out.decodes
+    assert (d.num_lookahead, out.speculating) == (4, [d])
+    assert len(seq.block_table) == eng.bm.num_blocks_for(seq.num_tokens + 4)
+    wrong = (expected[3] + 1) % 11
+    d.propose([expected[1], expected[2], wrong, expected[4]])
+    assert d.num_new_tokens == 5 and out.num_batched_tokens == 5
+    eng._run(d)
+    run = eng.verify(seq.token_ids, d.proposal)
+    assert run == expected[1:4]  # two kept, then the model's own token where the third was wrong
+    assert eng.sched.update_from_output(out, {seq.seq_id: run}) == []
+    assert seq.generated_token_ids == expected[:4]
+    assert seq.num_computed_tokens == seq.num_tokens - 1  # the rejected tokens' K/V do not count
+    assert len(seq.block_table) == eng.bm.num_blocks_for(seq.num_tokens)
+    assert (eng.sched.num_drafts, eng.sched.num_draft_tokens, eng.sched.num_accepted_tokens) == (1, 4, 2)
+    eng.check()
+    eng.run()
+    assert eng.finished[seq.seq_id] == expected
+    assert eng.bm.num_free_blocks == 16
+
+
+def test_an_empty_proposal_decodes_plainly_and_returns_the_lookahead():
+    eng = FakeEngine(num_blocks=16, block_size=2, spec_tokens=3)
+    seq = eng.add([1, 2, 3], max_tokens=5)
+    eng.step()
+    out = eng.sched.schedule()
+    (d,) = out.decodes
+    d.propose([])
+    assert (d.num_new_tokens, d.proposal) == (1, [])
+    eng._run(d)
+    eng.sched.update_from_output(out, {seq.seq_id: [next_token(seq.token_ids)]})
+    assert len(seq.block_table) == eng.bm.num_blocks_for(seq.num_tokens) and eng.sched.num_drafts == 0
+    with pytest.raises(ValueError):
+        ScheduledSeq(seq, 1, 2).propose([1, 2, 3])  # more than the slots reserved
+    eng.check()
+
+
+def test_speculation_stops_above_the_batch_threshold():
+    eng = FakeEngine(num_blocks=32, block_size=2, spec_tokens=3, speculative_max_batch_size=2)
+    seqs = [eng.add([1, 2, i], max_tokens=10) for i in range(3)]
+    eng.step()
+    assert [d.num_lookahead for d in eng.sched.schedule().decodes] == [0, 0, 0]
+    eng2 = FakeEngine(num_blocks=32, block_size=2, spec_tokens=3, speculative_max_batch_size=2)
+    for i in range(2):
+        eng2.add([1, 2, i], max_tokens=10)
+    eng2.step()
+    assert [d.num_lookahead for d in eng2.sched.schedule().decodes] == [3, 3]
+    assert len(seqs) == 3
+
+
+def test_the_lookahead_is_capped_by_max_tokens_and_the_budget():
+    eng = FakeEngine(num_blocks=32, block_size=2, spec_tokens=8, max_num_batched_tokens=4)
+    seq = eng.add([1, 2], max_tokens=3)
+    eng.step()
+    (d,) = eng.sched.schedule().decodes
+    assert d.num_lookahead == 1  # 3 tokens to generate: 1 sampled, this step's own, and one proposed
+    eng2 = FakeEngine(num_blocks=32, block_size=2, spec_tokens=8, max_num_batched_tokens=4)
+    eng2.add([1, 2], max_tokens=30)
+    eng2.step()
+    (d2,) = eng2.sched.schedule().decodes
+    assert d2.num_lookahead == 3  # a budget of 4 tokens
+    assert seq.num_generated_tokens == 1
+
+
+def test_speculation_takes_no_block_another_decode_needs_and_never_preempts():
+    # a holds 2 full blocks, b 2 blocks and a fifth token that needs the last free block: a's lookahead
+    # would fit in that block, but taking it would preempt b.
+    eng = FakeEngine(num_blocks=5, block_size=2, spec_tokens=2, enable_prefix_caching=False)
+    a = eng.add([1, 2, 3], max_tokens=10)
+    b = eng.add([4, 5, 6, 7], max_tokens=10)
+    eng.step()
+    assert (a.num_tokens, b.num_tokens, eng.bm.num_free_blocks) == (4, 5, 1)
+    out = eng.sched.schedule()
+    # b's own new block has a slot to spare after its fifth token.
+    assert out.preempted == [] and [d.num_lookahead for d in out.decodes] == [0, 1]
+    assert len(b.block_table) == 3
+    eng.check()
+    # A lookahead that fits in the sequence's own last block costs nothing and is taken.
+    eng2 = FakeEngine(num_blocks=4, block_size=4, spec_tokens=3, enable_prefix_caching=False)
+    c = eng2.add([1, 2, 3, 4, 5], max_tokens=10)
+    d = eng2.add([6, 7, 8, 9, 10], max_tokens=10)
+    eng2.step()
+    assert eng2.bm.num_free_blocks == 0
+    out2 = eng2.sched.schedule()
+    assert out2.preempted == [] and [s.num_lookahead for s in out2.decodes] == [2, 2]
+    assert (len(c.block_table), len(d.block_table)) == (2, 2)
+
+
+@pytest.mark.parametrize(("stop", "finish_reason"), [(60, "stop"), (None, "length")])
+def test_a_run_is_appended_up_to_the_token_that_ends_it(stop, finish_reason):
+    eng = FakeEngine(num_blocks=16, block_size=2, spec_tokens=4)
+    seq = Sequence(0, "r", [1, 2, 3], 3, max_tokens=4, eos_token_ids=frozenset({60}),
+                   num_speculative_tokens=4)
+    eng.sched.add(seq)
+    eng.step()
+    out = eng.sched.schedule()
+    (d,) = out.decodes
+    assert d.num_lookahead == 2  # at most 4 tokens: 1 sampled, 1 plain, 2 proposed
+    d.propose([7, 8])
+    eng._run(d)
+    run = [7, 60, 9] if stop else [7, 8, 9]  # EOS inside the accepted run / max_tokens reached by its last token
+    assert eng.sched.update_from_output(out, {seq.seq_id: run}) == [seq]
+    assert seq.generated_token_ids[1:] == ([7, 60] if stop else [7, 8, 9])
+    assert seq.finish_reason == finish_reason and seq.block_table == []
+    assert eng.bm.num_free_blocks == 16
+    eng.bm.check_invariants()
 
 
 # ---- properties ---------------------------------------------------------
@@ -318,6 +471,9 @@ def scenarios(draw):
         max_num_seqs=draw(st.integers(1, 4)),
         max_num_batched_tokens=draw(st.integers(1, 12)),
         enable_prefix_caching=draw(st.booleans()),
+        speculative_max_batch_size=draw(st.integers(1, 4)),
+        spec_tokens=draw(st.sampled_from([0, 0, 1, 2, 3])),
+        wrong_every=draw(st.sampled_from([1, 2, 3, 1000])),
     )
     prefixes = [[], *draw(st.lists(st.lists(st.integers(0, 3), max_size=10), min_size=1, max_size=2))]
     reqs = []
@@ -369,3 +525,6 @@ def test_simulated_engine_never_leaks_and_always_finishes(scenario):
     assert all(b.ref_count == 0 for b in eng.bm.blocks)
     assert eng.bm.num_free_blocks == num_blocks and eng.bm.usage == 0.0
     eng.bm.check_invariants()
+    assert (eng.sched.num_draft_tokens, eng.sched.num_accepted_tokens) == (eng.proposed, eng.accepted)
+    event("speculated, some rejected" if eng.accepted < eng.proposed else "speculated, all kept" if eng.proposed
+          else "no speculation")
