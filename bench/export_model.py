@@ -159,6 +159,7 @@ def write_gguf(gguf_path: Path, out: Path, qtype_name: str) -> None:
     import torch
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType
     from gguf.quants import quantize
+
     from servelm.models.gguf_loader import dequantize, read_gguf
 
     qtype = GGMLQuantizationType[qtype_name]

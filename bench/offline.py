@@ -17,7 +17,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:

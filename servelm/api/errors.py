@@ -25,7 +25,8 @@ from servelm.api.request_model import SURROGATE_ERROR
 from servelm.connectors.base import ContextLengthExceeded
 from servelm.engine.context_limit import context_length_error
 from servelm.engine.sampling_params import SamplingParamsError
-from servelm.errors import APIError, default_error_type
+from servelm.errors import APIError as APIError  # re-exported: the API layer's one error type
+from servelm.errors import default_error_type
 
 logger = logging.getLogger("servelm.api")
 

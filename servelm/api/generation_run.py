@@ -9,6 +9,7 @@ and aborts whatever has not finished when it closes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -383,10 +384,8 @@ class GenerationRun:
             for task in self._tasks:
                 task.cancel()
             for task in self._tasks:
-                try:
+                with contextlib.suppress(BaseException):
                     await task
-                except BaseException:
-                    pass
             for iterator in self._iterators:
                 aclose = getattr(iterator, "aclose", None)
                 if aclose is not None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match
@@ -116,10 +116,10 @@ class EngineCollector(Collector):
     def __init__(self) -> None:
         self.stats: list[EngineStats] = []
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []  # families are only known at collect time; keeps registration cheap
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         families = {
             "num_requests_running": GaugeMetricFamily(
                 "servelm:num_requests_running", "Sequences running in the engine (holding KV blocks).", labels=_MODEL),
@@ -234,7 +234,7 @@ def route_label(scope: Scope, routes: Sequence[BaseRoute]) -> str:
     """The route template a request was for (``/v1/models/{model_id:path}``), or ``unmatched``."""
     route = scope.get("route")
     if route is not None and hasattr(route, "path"):
-        return route.path
+        return str(route.path)
     # Requests stopped before routing (401, 413, 429): find the route they were
     # for, so labels stay bounded by the route table, never the raw path.
     for candidate in routes:

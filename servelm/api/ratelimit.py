@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 from limits import RateLimitItem, RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage, Storage
@@ -319,7 +320,7 @@ class RateLimitTicket:
 
 def rate_limit_ticket(conn: HTTPConnection) -> RateLimitTicket | None:
     """The ticket :class:`RateLimitMiddleware` gave this request (None: not limited)."""
-    return conn.scope.get("state", {}).get(_TICKET)
+    return cast("RateLimitTicket | None", conn.scope.get("state", {}).get(_TICKET))
 
 
 def client_identity(scope: Scope, keyed: bool) -> str:
@@ -327,7 +328,7 @@ def client_identity(scope: Scope, keyed: bool) -> str:
     if keyed:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                return value.decode("latin-1").partition(" ")[2].strip()
+                return str(value.decode("latin-1").partition(" ")[2].strip())
         return ""
     client = scope.get("client")
     return client[0] if client else "unknown"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -158,5 +159,5 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     if not prompt:
         raise APIError("The prompt is empty.", status=400, param="prompt")
     if isinstance(prompt[0], int):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
+        return [cast(list[int], list(prompt))]
+    return cast("list[str | list[int]]", list(prompt))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import struct
+from typing import cast
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -34,9 +35,9 @@ class ServingEmbedding(OpenAIServing):
         if isinstance(req.input, str):
             inputs = [req.input]
         elif req.input and isinstance(req.input[0], int):
-            inputs = [list(req.input)]  # type: ignore[arg-type]
+            inputs = [cast(list[int], list(req.input))]
         else:
-            inputs = list(req.input)  # type: ignore[arg-type]
+            inputs = cast("list[str] | list[list[int]]", list(req.input))
         if not inputs:
             raise APIError("input must not be empty.", status=400, param="input")
         if len(inputs) > MAX_INPUTS:

@@ -158,7 +158,7 @@ async def send_request(
     body = request_body(endpoint, model, req, options)
     try:
         await asyncio.wait_for(_stream(client, ENDPOINT_PATHS[endpoint], body, result, endpoint == "chat"), timeout)
-    except (asyncio.TimeoutError, httpx.TimeoutException):
+    except (TimeoutError, httpx.TimeoutException):
         result.error = f"timeout after {timeout:g}s" if timeout else "timeout"
     except httpx.HTTPError as exc:
         result.error = _short(f"connection error: {type(exc).__name__}: {exc}")

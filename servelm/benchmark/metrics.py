@@ -108,9 +108,7 @@ def meets_slos(result: RequestResult, slos: dict[str, float]) -> bool:
     if "e2el" in slos and result.e2e * 1000.0 > slos["e2el"]:
         return False
     per_token = tpot(result)
-    if "tpot" in slos and per_token is not None and per_token * 1000.0 > slos["tpot"]:
-        return False
-    return True
+    return not ("tpot" in slos and per_token is not None and per_token * 1000.0 > slos["tpot"])
 
 
 def level_label(concurrency: int | None, request_rate: float | None) -> str:

@@ -68,7 +68,7 @@ def result_document(params: dict[str, Any], levels: Sequence[LevelSummary], cpu_
     return {
         "benchmark": "servelm bench serve",
         "servelm_version": __version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "params": params,
         "client_cpu": {
             "cpu_s": cpu_s,

@@ -185,4 +185,5 @@ def _read_max_seq_length(folder: Path) -> int | None:
     path = folder / "sentence_bert_config.json"
     if not path.exists():
         return None
-    return json.loads(path.read_text()).get("max_seq_length")
+    value = json.loads(path.read_text()).get("max_seq_length")
+    return None if value is None else int(value)

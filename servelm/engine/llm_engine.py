@@ -140,7 +140,7 @@ class LLMEngine:
         keep_eos = not params.ignore_eos or grammar is not None
         eos = frozenset(self.tokenizer.eos_token_ids) if keep_eos else frozenset()
         seqs = []
-        for index in range(params.best_of):
+        for index in range(params.best_of or params.n):  # best_of is n unless set
             seq = Sequence(
                 seq_id=next(self._seq_ids),
                 request_id=request_id,

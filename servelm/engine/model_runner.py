@@ -23,6 +23,7 @@ from servelm.engine.kv_cache import allocate_kv_caches, kv_block_bytes
 from servelm.engine.sample_isolation import sample_isolated
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from servelm.engine.sequence import Sequence
 from servelm.engine.spec_decode.draft import DraftModel
 from servelm.engine.spec_decode.verifier import Speculation, verify_isolated
 from servelm.kernels import cpu_kernels
@@ -184,7 +185,9 @@ class ModelRunner:
                 )
         return result
 
-    def _sample(self, logits, plain: list[ScheduledSeq], sampling, result: StepResult) -> None:
+    def _sample(
+        self, logits: torch.Tensor, plain: list[ScheduledSeq], sampling: dict[int, SamplingState], result: StepResult
+    ) -> None:
         if not plain:
             return
         states = [sampling[s.seq.seq_id] for s in plain]
@@ -195,7 +198,9 @@ class ModelRunner:
             else:
                 result.sampled[sch.seq.seq_id] = [SampledToken(*row)]
 
-    def _prompt_logprobs(self, hidden, row0, start, num_new, seq, k) -> list[PromptLogprob]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, row0: int, start: int, num_new: int, seq: Sequence, k: int
+    ) -> list[PromptLogprob]:
         # Row r predicts token r + 1; only positions whose next token is a
         # prompt token count (the last prompt position predicts the first
         # generated token, which the sampler reports).
@@ -205,6 +210,7 @@ class ModelRunner:
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[row0 : row0 + n]), dim=-1)
         targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        tops: list[list[tuple[int, float]]]
         if k > 0:
             top_vals, top_ids = logprobs.topk(k, dim=-1)
             tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())]

@@ -9,7 +9,7 @@ import numbers
 import struct
 from dataclasses import dataclass, field
 
-from servelm.engine.params_error import SamplingParamsError
+from servelm.engine.params_error import SamplingParamsError as SamplingParamsError  # re-exported
 from servelm.engine.structured_outputs import StructuredOutputsParams
 from servelm.engine.tool_parsers.registry import FORMATS
 
@@ -174,10 +174,10 @@ class SamplingParams:
         Special tokens stay in the text when the format's markers are ones
         (Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``).
         """
-        changes: dict[str, object] = {"tool_call_parser": fmt}
-        if FORMATS[fmt].keep_special_tokens:
-            changes["skip_special_tokens"] = False
-        return dataclasses.replace(self, **changes)
+        keep_special = FORMATS[fmt].keep_special_tokens
+        return dataclasses.replace(
+            self, tool_call_parser=fmt, skip_special_tokens=self.skip_special_tokens and not keep_special
+        )
 
     @property
     def greedy(self) -> bool:

@@ -17,8 +17,8 @@ from servelm import cli
 from servelm.api import create_app
 from servelm.api.ratelimit import (
     ClockedMemoryStorage,
-    RateLimitExceeded,
     RateLimiter,
+    RateLimitExceeded,
     RateLimitMiddleware,
     RateLimitTicket,
     format_duration,
@@ -536,5 +536,5 @@ def test_a_storage_without_its_client_library_exits_2(capsys):
 def test_override_for_an_unknown_key_is_refused():
     with pytest.raises(ValidationError, match=r"not one of api_keys \(ending \.\.\.typo\)"):
         Settings(api_keys=["k1"], rate_limits={"keys": {"k1-typo": {"requests_per_minute": 1}}})
-    with pytest.raises(ValidationError, match="unrecognised|extra"):
+    with pytest.raises(ValidationError, match=r"unrecognised|extra"):
         Settings(rate_limits={"default": {"rpm": 1}})

@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
-
 from api.conftest import ThreadedServer
 from api.fake_connector import FakeConnector
+
 from servelm.api import create_app
 from servelm.connectors.base import ConnectorError
 from servelm.engine.outputs import RequestOutput

@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Iterator
-from typing import ClassVar
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 from playwright.sync_api import Page

@@ -29,7 +29,7 @@ def test_prefix_keys_are_cumulative_over_full_blocks():
     b = prefix_keys(list(range(32)) + [99] * 8, 16)
     assert len(a) == 2  # the 8-token tail is not a full block
     assert a == b  # same first 32 tokens: same keys
-    c = prefix_keys([7] + list(range(1, 40)), 16)
+    c = prefix_keys([7, *list(range(1, 40))], 16)
     assert c[0] != a[0] and c[1] != a[1]  # a change in block 0 changes every later key
 
 

@@ -119,7 +119,7 @@ class FakeEngine:
             run.append(token)
         self.proposed += len(proposal)
         self.accepted += len(run)
-        return run + [next_token(tokens + run)]
+        return [*run, next_token(tokens + run)]
 
     def _run(self, sch: ScheduledSeq) -> None:
         seq, bs = sch.seq, self.config.block_size

@@ -58,7 +58,7 @@ def test_it_stands_aside_where_it_does_not_apply(paged_runner, tiny_llama):
 def test_it_rejects_what_it_cannot_read(tiny_llama):
     from servelm import kernels
 
-    model, config = tiny_llama("bf16")
+    model, _config = tiny_llama("bf16")
     caches = [torch.zeros(2, 8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
     decoder = model._one_token_decoder(caches)
     x = torch.zeros(1, 64, dtype=torch.bfloat16)

@@ -105,7 +105,7 @@ def test_self_check_rejects_a_wrong_prefill(native):
             out.zero_()
             return True
 
-    with pytest.raises(RuntimeError, match="prefill_attention in torch.bfloat16 differs"):
+    with pytest.raises(RuntimeError, match=r"prefill_attention in torch\.bfloat16 differs"):
         self_check(Miscompiled())
 
 

@@ -339,5 +339,5 @@ def test_unsupported_dtype_is_clear():
 def test_non_gguf_file_is_clear(tmp_path):
     path = tmp_path / "model.bin"
     path.write_bytes(b"\0" * 16)
-    with pytest.raises(ModelLoadError, match="not a .gguf"):
+    with pytest.raises(ModelLoadError, match=r"not a \.gguf"):
         load_model(str(path), torch.float32, "cpu")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import Request
 
@@ -22,4 +22,4 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 def app_state(request: Request) -> AppState:
     """The handlers of the app serving this request."""
-    return request.app.state.servelm
+    return cast(AppState, request.app.state.servelm)
