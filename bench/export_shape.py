@@ -297,7 +297,7 @@ def greedy_agrees(folder: Path) -> bool:
     with torch.no_grad():
         ids = torch.tensor([prompt])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=VERIFY_TOKENS, do_sample=False)
-    theirs = out[0, len(prompt):].tolist()
+    theirs = out[0, len(prompt) :].tolist()
     del hf
     gc.collect()
     llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory=256 << 20)
@@ -310,7 +310,9 @@ def greedy_agrees(folder: Path) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", choices=sorted(SHAPES), help="the model shape")
-    ap.add_argument("--cache", type=Path, default=export_model.default_cache(), help="cache root; models go to CACHE/models")
+    ap.add_argument(
+        "--cache", type=Path, default=export_model.default_cache(), help="cache root; models go to CACHE/models"
+    )
     ap.add_argument("--force", action="store_true", help="rewrite outputs that exist")
     ap.add_argument("--verify", action="store_true", help="check the GGUF and servelm against the folder")
     ap.add_argument("--no-q8", action="store_true", help="skip the Q8_0 GGUF")

@@ -70,7 +70,9 @@ def main() -> None:
         for m in args.rows:
             inputs = {dt: {i: torch.randn(m, i).to(dt) for i in (HIDDEN, FFN)} for dt in weights}
             plain = {
-                dt: _median_ms(lambda dt=dt, ws=ws, inputs=inputs: [F.linear(inputs[dt][w.shape[1]], w) for w in ws], args.repeats)
+                dt: _median_ms(
+                    lambda dt=dt, ws=ws, inputs=inputs: [F.linear(inputs[dt][w.shape[1]], w) for w in ws], args.repeats
+                )
                 for dt, ws in weights.items()
             }
             fp32, bf16 = plain[torch.float32], plain[torch.bfloat16]
@@ -101,8 +103,13 @@ def _gemv_against_packed(weights: list[torch.Tensor], packed: list[PackedLinear]
             times[name].append(_median_ms(lambda layers=layers: [p(x[p.in_features]) for p in layers], repeats))
     gigabytes = sum(w.nbytes for w in weights) / 1e9
     ms = {name: statistics.median(t) for name, t in times.items()}
-    print("M=1: " + ", ".join(f"{name} {t:.1f} ms ({gigabytes / t * 1e3:.1f} GB/s, {ms['packed'] / t:.2f}x packed)"
-                              for name, t in ms.items()))
+    print(
+        "M=1: "
+        + ", ".join(
+            f"{name} {t:.1f} ms ({gigabytes / t * 1e3:.1f} GB/s, {ms['packed'] / t:.2f}x packed)"
+            for name, t in ms.items()
+        )
+    )
 
 
 if __name__ == "__main__":

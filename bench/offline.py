@@ -43,7 +43,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-single", type=int, default=2, help="requests HF runs one at a time (its rate is per request)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (servelm's choice for this CPU; HF runs the same)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="float32, bfloat16, float16 or auto (servelm's choice for this CPU; HF runs the same)",
+    )
     ap.add_argument("--hf-dtype", default=None, help="dtype of the HF baseline (default: --dtype's)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -55,8 +59,14 @@ def main() -> None:
     from servelm.engine.device import resolve_dtype
     from servelm.models.registry import resolve_model_path
 
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=2 << 30)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device="cpu",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=2 << 30,
+    )
     dtype = llm.engine.runner.dtype  # what --dtype (auto included) resolved to
     vocab = llm.engine.runner.model_config.vocab_size
     prompts = _prompts(vocab, args.num_prompts, args.input_len, seed=0)
@@ -73,8 +83,14 @@ def main() -> None:
     def hf_generate(batch: list[list[int]]) -> None:
         ids = torch.tensor(batch)
         with torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_len,
-                        min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     n_out = args.num_prompts * args.output_len
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
@@ -87,8 +103,10 @@ def main() -> None:
     hf_batched = _median_rate(lambda: hf_generate(prompts), n_out, args.repeats)
 
     print(f"model {args.model}, servelm {dtype}, HF {hf_dtype}, cpu threads={torch.get_num_threads()}")
-    print(f"{args.num_prompts} requests x {args.input_len} prompt + {args.output_len} output tokens, "
-          f"median of {args.repeats}")
+    print(
+        f"{args.num_prompts} requests x {args.input_len} prompt + {args.output_len} output tokens, "
+        f"median of {args.repeats}"
+    )
     print(f"{'':34s}{'output tok/s':>14s}")
     print(f"{'servelm, all requests batched':34s}{servelm_rate:14.1f}")
     print(f"{'HF generate, one at a time':34s}{hf_single:14.1f}")

@@ -37,8 +37,18 @@ from servelm.settings_base import (
     split_list,
 )
 
-__all__ = ["ENV_PREFIX", "GROUPS", "RateLimit", "RateLimits", "Settings", "SettingsError", "async_storage_uri",
-           "parse_memory", "setting", "unknown_env_vars"]
+__all__ = [
+    "ENV_PREFIX",
+    "GROUPS",
+    "RateLimit",
+    "RateLimits",
+    "Settings",
+    "SettingsError",
+    "async_storage_uri",
+    "parse_memory",
+    "setting",
+    "unknown_env_vars",
+]
 
 # Kept in step with servelm.models.registry (a test checks); not imported from
 # there so that the API, which imports settings, never pulls in servelm.models.
@@ -60,7 +70,10 @@ class Settings(BaseSettings):
     )
 
     config: Path | None = setting(
-        None, "YAML config file (see servelm.yaml); flags and environment variables override it", group="", metavar="FILE"
+        None,
+        "YAML config file (see servelm.yaml); flags and environment variables override it",
+        group="",
+        metavar="FILE",
     )
 
     model: str = setting(
@@ -104,7 +117,11 @@ class Settings(BaseSettings):
         group="engine",
     )
     device: str = setting(
-        "auto", "cpu, cuda, cuda:N, mps or auto", group="engine", metavar="DEVICE", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$"
+        "auto",
+        "cpu, cuda, cuda:N, mps or auto",
+        group="engine",
+        metavar="DEVICE",
+        pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",
     )
     max_num_seqs: int = setting(64, "most sequences running in one engine step", group="engine", metavar="N", ge=1)
     max_num_batched_tokens: int = setting(
@@ -165,8 +182,11 @@ class Settings(BaseSettings):
         1, "ngram: the shortest tail of the text looked up", group="speculative decoding", metavar="N", ge=1
     )
     speculative_ngram_max: int = setting(
-        4, "ngram: the longest tail of the text looked up (the longest match wins)",
-        group="speculative decoding", metavar="N", ge=1,
+        4,
+        "ngram: the longest tail of the text looked up (the longest match wins)",
+        group="speculative decoding",
+        metavar="N",
+        ge=1,
     )
     speculative_max_batch_size: int = setting(
         4,
@@ -290,8 +310,11 @@ class Settings(BaseSettings):
         default_text="start a cluster here",
     )
     replica_cpus: float = setting(
-        1.0, "CPUs Ray reserves for each replica (a replica goes to a node that has them)",
-        group="scale-out on Ray Serve", metavar="N", ge=0,
+        1.0,
+        "CPUs Ray reserves for each replica (a replica goes to a node that has them)",
+        group="scale-out on Ray Serve",
+        metavar="N",
+        ge=0,
     )
     replica_gpus: float = setting(
         0.0, "GPUs Ray reserves for each replica", group="scale-out on Ray Serve", metavar="N", ge=0
@@ -306,12 +329,19 @@ class Settings(BaseSettings):
         ge=1,
     )
     max_replicas: int | None = setting(
-        None, "autoscaling: most replicas (see min_replicas)", group="scale-out on Ray Serve", metavar="N",
-        default_text="no autoscaling", ge=1,
+        None,
+        "autoscaling: most replicas (see min_replicas)",
+        group="scale-out on Ray Serve",
+        metavar="N",
+        default_text="no autoscaling",
+        ge=1,
     )
     target_ongoing_requests: float = setting(
-        16.0, "autoscaling: requests in flight per replica that Serve aims for",
-        group="scale-out on Ray Serve", metavar="N", gt=0,
+        16.0,
+        "autoscaling: requests in flight per replica that Serve aims for",
+        group="scale-out on Ray Serve",
+        metavar="N",
+        gt=0,
     )
     prefix_routing: bool = setting(
         True,
@@ -321,8 +351,11 @@ class Settings(BaseSettings):
         group="scale-out on Ray Serve",
     )
     ray_app_name: str = setting(
-        "servelm", "name of the Serve application: one per set of replicas on a cluster",
-        group="scale-out on Ray Serve", metavar="NAME", pattern=r"^[A-Za-z0-9_.-]+$",
+        "servelm",
+        "name of the Serve application: one per set of replicas on a cluster",
+        group="scale-out on Ray Serve",
+        metavar="NAME",
+        pattern=r"^[A-Za-z0-9_.-]+$",
     )
 
     @classmethod

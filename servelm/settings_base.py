@@ -129,7 +129,7 @@ GROUPS: dict[str, str] = {
     "engine": "The serving engine.",
     "speculative decoding": "Propose several tokens per step and verify them in one batched model call: faster "
     "one-stream decoding where the output is predictable (greedy output is unchanged, sampled output keeps its "
-    "distribution). Off by default; a request can turn it off with \"speculative_decoding\": false.",
+    'distribution). Off by default; a request can turn it off with "speculative_decoding": false.',
     "HTTP": "The HTTP server, auth and logs.",
     "admission control": "Bound the engine's queue and each request's time; 0 or none/null: no limit.",
     "rate limits": "Per API key (per client address when no keys are set). Off by default.",

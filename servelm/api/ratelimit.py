@@ -265,7 +265,9 @@ class RateLimitTicket:
             self.reserved = tokens
             self.token_window_end = await self.limiter.window_end(item, self.client)
         except StorageError:
-            logger.warning("rate-limit storage failed; admitting %s without a token reservation", self.client, exc_info=True)
+            logger.warning(
+                "rate-limit storage failed; admitting %s without a token reservation", self.client, exc_info=True
+            )
 
     async def settle(self, used: int) -> None:
         """Correct the reservation to the ``used`` tokens. Runs once; later calls do nothing.
@@ -281,7 +283,9 @@ class RateLimitTicket:
             if used > self.reserved:
                 await self.limiter.adjust(self.quota.tokens, self.client, used - self.reserved)
             elif used < self.reserved:
-                await self.limiter.give_back(self.quota.tokens, self.client, self.reserved - used, self.token_window_end)
+                await self.limiter.give_back(
+                    self.quota.tokens, self.client, self.reserved - used, self.token_window_end
+                )
         except StorageError:
             logger.warning("rate-limit storage failed; could not settle the tokens of %s", self.client, exc_info=True)
 

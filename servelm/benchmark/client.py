@@ -86,7 +86,9 @@ def _http_error(response: httpx.Response) -> str:
     return _short(f"HTTP {response.status_code}: {detail if detail is not None else response.text}")
 
 
-async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], result: RequestResult, chat: bool) -> None:
+async def _stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], result: RequestResult, chat: bool
+) -> None:
     """Send and read the stream into ``result``; raises on transport errors."""
     start = time.perf_counter()
     result.started = start

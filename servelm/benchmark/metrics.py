@@ -83,7 +83,9 @@ def parse_slos(items: Sequence[str]) -> dict[str, float]:
         name, sep, value = item.partition(":")
         name = name.strip().lower()
         if not sep or name not in SLO_METRICS:
-            raise ValueError(f"bad SLO {item!r}: expected METRIC:MILLISECONDS with METRIC one of {', '.join(SLO_METRICS)}")
+            raise ValueError(
+                f"bad SLO {item!r}: expected METRIC:MILLISECONDS with METRIC one of {', '.join(SLO_METRICS)}"
+            )
         try:
             ms = float(value)
         except ValueError:

@@ -107,7 +107,11 @@ class RayConnector:
                     if plan.autoscaling
                     else f"{plan.replicas} replica{'s' if plan.replicas != 1 else ''}"
                 )
-                where = "a local Ray cluster" if self._cluster.started_here else f"the Ray cluster at {self._cluster.address}"
+                where = (
+                    "a local Ray cluster"
+                    if self._cluster.started_here
+                    else f"the Ray cluster at {self._cluster.address}"
+                )
                 say(f"deploying {count} of {cpus} each on {where}")
                 self.handle = ray_deploy.deploy(plan, say=say)
                 self._deployed = True
@@ -183,8 +187,12 @@ class RayConnector:
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.handle is None:
-            raise ConnectorError("The replicas are not deployed yet.", status=503, type="service_unavailable_error",
-                                 code="model_not_ready")
+            raise ConnectorError(
+                "The replicas are not deployed yet.",
+                status=503,
+                type="service_unavailable_error",
+                code="model_not_ready",
+            )
         last: BaseException | None = None
         for _ in range(CALL_ATTEMPTS):
             try:
@@ -196,8 +204,9 @@ class RayConnector:
                 continue
             raise_error_item(result)
             return result["ok"]
-        raise ConnectorError(f"No engine replica answered: {last}", status=503, type="service_unavailable_error",
-                             code="replica_failed")
+        raise ConnectorError(
+            f"No engine replica answered: {last}", status=503, type="service_unavailable_error", code="replica_failed"
+        )
 
     async def models(self) -> list[ModelCard]:
         if self._models is None:
@@ -224,8 +233,14 @@ class RayConnector:
         **kwargs: Any,
     ) -> str:
         return await self._call(
-            "apply_chat_template", model, messages, add_generation_prompt, chat_template,
-            tools=tools, tool_call_parser=tool_call_parser, **kwargs,
+            "apply_chat_template",
+            model,
+            messages,
+            add_generation_prompt,
+            chat_template,
+            tools=tools,
+            tool_call_parser=tool_call_parser,
+            **kwargs,
         )
 
     # -- generation --------------------------------------------------------
@@ -257,8 +272,12 @@ class RayConnector:
 
     async def _open(self, request_id: str, request: dict[str, Any]) -> AsyncIterator[Any]:
         if self.handle is None:
-            raise ConnectorError("The replicas are not deployed yet.", status=503, type="service_unavailable_error",
-                                 code="model_not_ready")
+            raise ConnectorError(
+                "The replicas are not deployed yet.",
+                status=503,
+                type="service_unavailable_error",
+                code="model_not_ready",
+            )
         response = self.handle.options(stream=True).generate.remote(request)
         self._streams[request_id] = response
         finished = False

@@ -157,7 +157,9 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self.dead_error = exc
         finally:
-            err = EngineDeadError(f"the engine stopped: {self.dead_error!r}" if self.dead_error else "the engine stopped")
+            err = EngineDeadError(
+                f"the engine stopped: {self.dead_error!r}" if self.dead_error else "the engine stopped"
+            )
             with self._lock:
                 streams = list(self._streams.items())
             for _rid, stream in streams:
@@ -170,8 +172,12 @@ class AsyncLLMEngine:
         for request_id, token_ids, prompt, params, grammar, arrival in inbox:
             try:
                 self.engine.add_request(
-                    request_id, prompt if prompt is not None else token_ids, params, token_ids,
-                    arrival_time=arrival, grammar=grammar,
+                    request_id,
+                    prompt if prompt is not None else token_ids,
+                    params,
+                    token_ids,
+                    arrival_time=arrival,
+                    grammar=grammar,
                 )
             except Exception as exc:
                 self._deliver(request_id, exc)

@@ -248,7 +248,9 @@ class LLMEngine:
         scheduled = out.scheduled
         sampling = {s.seq.seq_id: self._sampling[s.seq.seq_id] for s in scheduled if s.is_sampling}
         want_prompt_logprobs = {
-            s.seq.seq_id: self._prompt_logprobs[s.seq.seq_id] for s in out.prefills if s.seq.seq_id in self._prompt_logprobs
+            s.seq.seq_id: self._prompt_logprobs[s.seq.seq_id]
+            for s in out.prefills
+            if s.seq.seq_id in self._prompt_logprobs
         }
         try:
             speculating = out.speculating

@@ -87,8 +87,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.draft: DraftModel | None = None
         if config.speculative_model is not None:
-            self.draft = DraftModel(config.speculative_model, self.dtype, self.device, config.quantization,
-                                    config.cpu_matmul, self.tokenizer)
+            self.draft = DraftModel(
+                config.speculative_model,
+                self.dtype,
+                self.device,
+                config.quantization,
+                config.cpu_matmul,
+                self.tokenizer,
+            )
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.dtype, self.device)
         if self.draft is not None:
@@ -135,8 +141,10 @@ class ModelRunner:
         speculating seq_id to the distributions its proposed tokens were
         drawn from, where they were drawn (a draft model's sampled proposal).
         """
-        chunks = [Chunk(s.seq.token_ids[s.start : s.start + s.num_new_tokens], s.start, s.seq.block_table)
-                  for s in out.prefills]
+        chunks = [
+            Chunk(s.seq.token_ids[s.start : s.start + s.num_new_tokens], s.start, s.seq.block_table)
+            for s in out.prefills
+        ]
         for d in out.decodes:
             # A speculating decode's last token and proposed ones go in as that many one-token decodes
             # over the same blocks, each seeing the cache up to its own position (all K/V are written

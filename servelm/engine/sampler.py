@@ -353,7 +353,9 @@ def random_choice(probs: torch.Tensor, generators: list[torch.Generator | None])
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
 
 
-def top_logprobs(raw_logprobs: torch.Tensor, states: list[SamplingState]) -> list[list[tuple[int, float]] | None] | None:
+def top_logprobs(
+    raw_logprobs: torch.Tensor, states: list[SamplingState]
+) -> list[list[tuple[int, float]] | None] | None:
     """Each row's ``params.logprobs`` highest raw logprobs, as in :class:`SamplerOutput`."""
     wanted = {i: k for i, s in enumerate(states) if (k := s.params.logprobs) is not None}
     if not wanted:

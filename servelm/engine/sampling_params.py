@@ -137,9 +137,7 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad("logprobs", "must be an integer >= 0")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
-        ):
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             bad("prompt_logprobs", "must be an integer >= 0")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "must be non-empty strings")

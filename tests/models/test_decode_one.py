@@ -69,11 +69,14 @@ def test_it_rejects_what_it_cannot_read(tiny_llama):
     native = kernels.cpu_kernels()
     layer = model.model.layers[0]
     good = kernels.DecoderLayerWeights(
-        layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-        *(m.one_row_weights() for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                       layer.mlp.down_proj)),
+        layer.input_layernorm.weight,
+        layer.post_attention_layernorm.weight,
+        *(
+            m.one_row_weights()
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ),
         caches[0],
-    )  # fmt: skip
+    )
     args = dict(final_norm=model.model.norm.weight, cos_sin=model.rotary.cos_sin, heads=6, eps=1e-5, scale=0.25)
     native.one_token_decoder([good], **args)
     with pytest.raises(ValueError, match="o has shape"):

@@ -16,7 +16,10 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorResponse, "description": "Request body too large."},
     408: {"model": ErrorResponse, "description": "The request ran past the server's request timeout."},
     429: {"model": ErrorResponse, "description": "Rate limit hit, or the server's queue is full (see Retry-After)."},
-    503: {"model": ErrorResponse, "description": "Models are still loading, the server is shutting down, or the engine is down."},
+    503: {
+        "model": ErrorResponse,
+        "description": "Models are still loading, the server is shutting down, or the engine is down.",
+    },
 }
 
 

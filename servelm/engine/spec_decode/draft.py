@@ -29,8 +29,15 @@ from servelm.models.weight_layout import lay_out_weights
 class DraftModel:
     """The draft model and its KV cache (allocated once the target sized the cache: :meth:`allocate`)."""
 
-    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, quantization: str, cpu_matmul: str,
-                 target_tokenizer: Tokenizer):
+    def __init__(
+        self,
+        path: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str,
+        cpu_matmul: str,
+        target_tokenizer: Tokenizer,
+    ):
         self.model, self.model_config, tokenizer = load_model(path, dtype, device)
         lay_out_weights(self.model, quantization, cpu_matmul)
         if tokenizer.hf.get_vocab() != target_tokenizer.hf.get_vocab():
