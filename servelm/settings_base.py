@@ -48,6 +48,13 @@ def parse_memory(value: Any) -> Any:
     return int(text)
 
 
+def none_text(value: Any) -> Any:
+    """Flags and environment variables carry "no value" as text: "", "none" or "null" mean None."""
+    if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+        return None
+    return value
+
+
 def split_list(value: Any) -> Any:
     # Environment variables and flags carry lists comma-separated.
     if isinstance(value, str):

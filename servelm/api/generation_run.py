@@ -21,8 +21,8 @@ import anyio
 from servelm.api.admission import QUEUE_RETRY_AFTER_S, Admission
 from servelm.api.errors import APIError, RequestTimedOut, ServerOverloaded, api_error_from, with_param_renamed
 from servelm.api.metrics import Metrics, RequestRecorder
-from servelm.api.protocol import PromptTokensDetails, Usage
 from servelm.api.ratelimit import retry_after
+from servelm.api.responses import PromptTokensDetails, Usage
 from servelm.connectors.base import Connector, ConnectorError
 from servelm.engine.outputs import PositionLogprobs, RequestOutput, ToolCallDelta, merge_tool_calls
 from servelm.engine.sampling_params import SamplingParams

@@ -12,11 +12,11 @@ from servelm.api.access_log import response_id
 from servelm.api.errors import APIError, context_length_exceeded
 from servelm.api.generation_run import ChoiceDelta, ChoiceResult, GenerationRun
 from servelm.api.logprobs import chat_logprobs
-from servelm.api.protocol import (
+from servelm.api.protocol import ChatCompletionRequest
+from servelm.api.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,

@@ -13,13 +13,8 @@ from servelm.api.access_log import response_id
 from servelm.api.errors import APIError, context_length_exceeded
 from servelm.api.generation_run import ChoiceDelta, ChoiceResult, GenerationRun
 from servelm.api.logprobs import legacy_logprobs
-from servelm.api.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    Usage,
-)
+from servelm.api.protocol import CompletionRequest
+from servelm.api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from servelm.api.serving_base import check_supported, sampling_params
 from servelm.api.serving_generation import GenerationServing
 from servelm.api.structured import structured_request

@@ -11,8 +11,9 @@ from starlette.responses import Response
 
 from servelm.api.access_log import request_record
 from servelm.api.errors import APIError, context_length_exceeded
-from servelm.api.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from servelm.api.protocol import EmbeddingRequest
 from servelm.api.ratelimit import rate_limit_ticket
+from servelm.api.responses import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from servelm.api.serving_base import OpenAIServing, cancel_on_disconnect, check_supported
 
 # OpenAI's own limit on inputs per request.

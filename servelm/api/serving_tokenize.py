@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from servelm.api.errors import APIError
-from servelm.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from servelm.api.protocol import DetokenizeRequest, TokenizeRequest
+from servelm.api.responses import DetokenizeResponse, TokenizeResponse
 from servelm.api.serving_base import OpenAIServing
 from servelm.api.tools import tool_definitions, tool_format
 

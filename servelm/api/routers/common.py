@@ -6,7 +6,7 @@ from typing import Any, cast
 
 from starlette.requests import Request
 
-from servelm.api.protocol import ErrorResponse
+from servelm.api.responses import ErrorResponse
 from servelm.api.state import AppState
 
 ERRORS: dict[int | str, dict[str, Any]] = {
