@@ -146,7 +146,8 @@ async def test_a_compiling_grammar_does_not_hold_up_other_requests(engine, monke
 
     monkeypatch.setattr(grammars, "compile", held_compile)
     regex = "[a-z]{2,5} compiled while others ran"  # a spec no other test compiled
-    params = SamplingParams(temperature=0.7, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=regex))
+    # max_tokens leaves room for the longest match spelled a character per token.
+    params = SamplingParams(temperature=0.7, max_tokens=48, structured_outputs=StructuredOutputsParams(regex=regex))
     held = asyncio.create_task(_collect(engine, "held", "Say something:", params))
     await compiling.wait()
     # The grammar is still compiling; an unconstrained request runs to its end meanwhile.
