@@ -16,7 +16,6 @@ without ``--replicas``/``--ray-address`` never loads it).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -70,7 +69,6 @@ class RayConnector:
         self.handle = handle
         self._board_reader = board_reader
         self._poller: StatsPoller | None = None
-        self._poller_loop: asyncio.AbstractEventLoop | None = None
         self._models: list[ModelCard] | None = None
         self._load_error: str | None = None
         self._deployed = False
@@ -130,6 +128,8 @@ class RayConnector:
         """
         from servelm.connectors import ray_cluster
 
+        if self._poller is not None:
+            self._poller.cancel()
         if self._deployed and not (self._cluster is not None and self._cluster.started_here):
             from servelm.connectors import ray_deploy
 

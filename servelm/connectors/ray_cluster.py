@@ -85,6 +85,9 @@ def connect(address: str | None, num_cpus: float | None = None, num_gpus: float 
         os.environ.pop("RAY_ADDRESS", None)
     elif address != "auto":
         _check_reachable(address)
+        if address.rpartition(":")[0].strip("[]") in ("127.0.0.1", "localhost", "::1"):
+            # A cluster on loopback registered its nodes there: this driver must not rewrite its own address.
+            os.environ.setdefault(LOOPBACK_ENV, "0")
     import ray
 
     if ray.is_initialized():

@@ -3,6 +3,7 @@ stream after a replica failure, the deployment's summed figures, and the setting
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -15,7 +16,7 @@ from servelm.connectors.base import ConnectorError
 from servelm.connectors.ray_replica import error_item
 from servelm.connectors.ray_resume import MAX_MIGRATIONS, resumable_stream
 from servelm.connectors.ray_router import PrefixTable, prefix_keys
-from servelm.connectors.ray_stats import STALE_AFTER_S, DeploymentStats
+from servelm.connectors.ray_stats import STALE_AFTER_S, DeploymentStats, StatsPoller
 from servelm.engine.outputs import CompletionOutput, RequestOutput
 from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.structured_outputs import StructuredOutputsParams
@@ -258,6 +259,25 @@ def test_stats_sum_live_replicas_and_show_the_stale_ones():
     assert sorted(e.replica for e in engine if e.replica) == ["a", "b"]
     states = {r.replica: r.state for r in stats.replicas()}
     assert states == {"a": "RUNNING", "b": "RUNNING", "c": "UNRESPONSIVE"}
+
+
+async def test_the_stats_poller_stops_when_cancelled_from_another_thread():
+    # The server's shutdown runs on its main thread, not on the loop the poller reads from.
+    reads = asyncio.Queue()
+
+    async def read():
+        reads.put_nowait(None)
+        return [_snapshot("a", 1, 0, 0.1, 1)]
+
+    poller = StatsPoller(read, period_s=0)
+    poller.start()
+    task = poller._task
+    await reads.get()  # it is polling
+    await asyncio.to_thread(poller.cancel)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert poller.stats.queue_depth().running == 1
+    poller.cancel()  # twice is harmless
 
 
 # --- settings -----------------------------------------------------------------------
