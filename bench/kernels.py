@@ -5,8 +5,9 @@ batch sizes and context lengths: the native paged kernel against gather + SDPA,
 with each path's largest difference from a float64 reference; then one layer's
 prefill attention in bfloat16 (fresh prompts and prompts behind a cached
 prefix), the native kernel against SDPA per prompt. Part 2 runs the
-engine on the same requests with all kernels on and all off (decode attention
-and the fused norm, RoPE and SiLU ops; alternating, median of --repeats) and
+engine on the same requests with all native kernels on and all off (attention,
+the fused norm, RoPE and SiLU ops, the GEMV, the small GEMM and the one-call
+decoding step; alternating, median of --repeats) and
 prints output tokens/s and the ratio, for the whole batch and for batch 1.
 
     .venv/bin/python bench/kernels.py

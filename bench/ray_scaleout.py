@@ -6,7 +6,7 @@ sides alike); the figures are medians over rounds and the ratio B/A:
 
 - ``overhead``: the in-process engine (A) against one replica on Ray (B,
   ``--replicas 1``) at c=1 and c=32: ITL p50 and output throughput.
-- ``scaling``: one replica of ``--replica-cpus`` cores (A) against N replicas
+- ``scaling``: one replica of ``--cpus`` cores (A; the server's ``--replica-cpus``) against N replicas
   of as many cores each (B, ``--replicas N``), c=32 on the chat endpoint:
   output throughput. On a machine with 2N cores or more use
   ``--replicas-b N``; each replica's threads follow its cores.
