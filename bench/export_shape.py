@@ -176,7 +176,7 @@ def gguf_tensors(shape: Shape, folder: Path) -> Iterator[tuple[str, object]]:
     arch = gguf.MODEL_ARCH.QWEN2 if shape.architecture == "qwen2" else gguf.MODEL_ARCH.LLAMA
     names = gguf.get_tensor_name_map(arch, shape.num_hidden_layers)
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        for hf in f:
+        for hf in f.keys():  # noqa: SIM118 (safe_open has keys(), it is not iterable)
             array = f.get_tensor(hf).float().numpy()
             if shape.architecture == "llama" and ".q_proj." in hf:
                 array = permute_qk(array, shape.num_attention_heads)

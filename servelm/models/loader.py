@@ -91,5 +91,5 @@ def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), it is not iterable)
                 yield name, f.get_tensor(name)
