@@ -24,7 +24,7 @@
 #
 # Servers: servelm (--dtype auto), servelm:bf16 (--dtype bfloat16),
 # servelm:fp32 (--dtype float32), servelm:int8 (--quantization int8),
-# vllm_cpu, llama_server
+# servelm:w8a8 (--quantization w8a8), vllm_cpu, llama_server
 # (F16 GGUF), llama_server:q8_0, transformers_serve. A peer that is not
 # installed is skipped with a note (install it: bench/peers/NAME.sh install).
 #
@@ -121,6 +121,7 @@ for server in "${SERVERS[@]}"; do
     servelm:bf16) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--dtype bfloat16") ;;
     servelm:fp32) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--dtype float32") ;;
     servelm:int8) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--quantization int8") ;;
+    servelm:w8a8) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--quantization w8a8") ;;
     llama_server:?*) variant_env=("LLAMA_MODEL=$variant") ;;
     *:?*)
         log "skipping $server: unknown variant"
