@@ -27,11 +27,18 @@ from torch import nn
 from servelm import kernels
 from servelm.models.packed import PackedLinear, can_pack, replace_linears
 
-QUANTIZATIONS = ("none", "int8")
-
 # Rows (tokens) up to which the int8 kernel beats float32 GEMM on a 2-core
 # AVX-512 CPU (bench/quantized.py); past it, the float copy is faster.
 SMALL_BATCH = 4
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[N, K]`` as int8 rows (symmetric, round to nearest, in [-127, 127]) and bfloat16 scales
+    ``[N]`` (max |row| / 127, rounded to bfloat16 first so that the int8 values are exact against them)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16)
+    qweight = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return qweight.contiguous(), scales
 
 
 class Int8Linear(nn.Module):
@@ -39,9 +46,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: int = SMALL_BATCH):
         super().__init__()
-        w = weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16)
-        qweight = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        qweight, scales = quantize_rows(weight)
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
