@@ -46,7 +46,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (max |row| / 127), as the kernel quantizes them."""
     xf = x.float()
     top = xf.abs().amax(dim=1, keepdim=True)
-    inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))  # as the kernel computes it, bit for bit
+    # 127 / max as the kernel computes it, bit for bit (PyTorch's 127.0 / top is 127 * (1 / top), an ulp off)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
     return torch.round(xf * inverse).clamp(-127, 127).to(torch.int8), top / 127.0
 
 
