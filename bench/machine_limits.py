@@ -14,7 +14,9 @@ divides each server's achieved FLOP/s and bytes/s by these figures::
 - int8 GEMM: ``torch._int_mm`` (int8 x int8 -> int32) and the quantized
   engines' linear (``onednn``, ``x86``, ``fbgemm``: uint8 activations times
   int8 weights, int32 accumulation, requantized output) on the same shapes.
-  Integer multiply-adds count 2 ops, as FLOPs do.
+  Integer multiply-adds count 2 ops, as FLOPs do. Beside them servelm's own
+  W8A8 GEMM (``--quantization w8a8``; AVX512-VNNI CPUs), over bfloat16
+  activations quantized per row inside the timing.
 - Memory read: the sum of a ``--read-mib`` tensor in bfloat16 and in float32
   (bytes of the tensor / time), far larger than any cache.
 
@@ -109,9 +111,19 @@ def _int8_candidates(m: int, k: int, n: int) -> list[tuple[str, Callable[[], Cal
 
         return make
 
+    def servelm_w8a8():
+        from servelm import kernels
+
+        native = kernels.cpu_kernels()
+        packed = native.w8a8_pack(torch.randint(-127, 128, (n, k), dtype=torch.int8)) if native else None
+        if packed is None:
+            raise RuntimeError("servelm's W8A8 kernel does not run here (no kernels or no AVX512-VNNI)")
+        x, scales = torch.randn(m, k).to(torch.bfloat16), torch.rand(n)
+        return lambda: native.w8a8_linear(x, packed, scales, n)
+
     return [(f"torch._int_mm {m}x{k}x{n}", int_mm)] + [
         (f"quantized linear ({e}) {m}x{k}x{n}", quantized(e)) for e in QUANTIZED_ENGINES
-    ]
+    ] + [(f"servelm w8a8 (VNNI) {m}x{k}x{n}", servelm_w8a8)]
 
 
 def _read_candidates(mib: int) -> list[tuple[str, Callable[[], Callable[[], object]], int]]:
