@@ -21,5 +21,5 @@ def test_tiny_run_prints_each_shape_with_its_ratio(capsys: pytest.CaptureFixture
     assert w8a8_gemm.main(["--gemm", "8x64x48", "1x64x48", "--repeats", "1"]) == 0
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
     assert set(rows) == {"8x64x48", "1x64x48"}
-    assert len(rows["8x64x48"]) == 4 and len(rows["1x64x48"]) == 5  # one row: the int8 GEMV's rate too
+    assert rows["8x64x48"][3] == "-" and rows["1x64x48"][3] != "-"  # one row: the int8 GEMV's rate too
     assert all(row[-1].endswith("x") and float(row[-1][:-1]) > 0 for row in rows.values())
