@@ -10,7 +10,7 @@ that a change in the machine's load hits both), and the ratio is printed;
 ``--no-hf`` leaves the HF runs out.
 
     .venv/bin/python bench/offline.py --num-prompts 64 --input-len 128 --output-len 128
-    .venv/bin/python bench/offline.py --dtype bfloat16 --against w8a8 --no-hf --repeats 5
+    .venv/bin/python bench/offline.py --dtype bfloat16 --against w8a8 --no-hf --no-prefix-caching --repeats 5
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="servelm's (default: %(default)s)")
     ap.add_argument("--against", choices=QUANTIZATIONS, help="also run servelm with this quantization, alternating")
     ap.add_argument("--no-hf", action="store_true", help="leave out the HF baseline")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="servelm prefills every prompt on every run (by default runs after the first find the "
+                         "prompts in its prefix cache)")  # fmt: skip
     args = ap.parse_args()
 
     from servelm import LLM, SamplingParams
@@ -70,7 +73,7 @@ def main() -> None:
     def engine(quantization: str) -> LLM:
         return LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=2 << 30,
-                   quantization=quantization)  # fmt: skip
+                   quantization=quantization, enable_prefix_caching=not args.no_prefix_caching)  # fmt: skip
 
     llm = engine(args.quantization)
     dtype = llm.engine.runner.dtype  # what --dtype (auto included) resolved to

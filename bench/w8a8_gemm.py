@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"cpu threads={torch.get_num_threads()}, best of {args.repeats} alternating calls; G = 1e9 (int8 ops or FLOPs)/s")
+    print(f"cpu threads={torch.get_num_threads()}, best of {args.repeats} alternating calls; "
+          "G = 1e9 (int8 ops or FLOPs)/s")
     print(f"{'M x K x N':>16s}" + "".join(f"{name:>13s}" for name in (*COLUMNS, "w8a8/bf16")))
     with torch.inference_mode():
         for m, k, n in args.gemm:

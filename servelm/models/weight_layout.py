@@ -45,8 +45,9 @@ def free_memory_bytes(device: torch.device) -> int:
 def lay_out_weights(model: nn.Module, quantization: str, cpu_matmul: str) -> None:
     """Replace ``model``'s linear layers by the layout that runs fastest where it lives, in place.
 
-    ``quantization`` is ``none``, ``int8`` or ``w8a8`` (the last two CPU only: ValueError elsewhere); ``cpu_matmul`` (``auto``,
-    ``onednn`` or ``pairs``) picks the products of decoding's few rows on CPU (``packed.use_pair_layout``).
+    ``quantization`` is ``none``, ``int8`` or ``w8a8`` (the last two CPU only: ValueError elsewhere);
+    ``cpu_matmul`` (``auto``, ``onednn`` or ``pairs``) picks the products of decoding's few rows on CPU
+    (``packed.use_pair_layout``).
     """
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
