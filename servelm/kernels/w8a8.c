@@ -167,11 +167,14 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
     const int32_t *comp = (const int32_t *)(packed + Np * Kp);
     uint8_t *q = aligned_alloc(64, (size_t)round_up(M * Kp, 64));
     float *row_scales = malloc(sizeof(float) * (size_t)M);
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")
-    for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, K, Kp, q + m * Kp, row_scales + m);
     const int64_t panels = (Np / 16 + TILE_BLOCKS - 1) / TILE_BLOCKS, chunks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS;
     const size_t out_size = x_bf16 ? 2 : 4;
-    _Pragma("omp parallel for collapse(2) schedule(static) num_threads(nthreads)")
+    /* One parallel region for both loops: on a busy machine each region's start waits until every thread
+     * is scheduled again, which can cost more than the GEMM itself. */
+    _Pragma("omp parallel num_threads(nthreads)") {
+    _Pragma("omp for schedule(static)")
+    for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, K, Kp, q + m * Kp, row_scales + m);
+    _Pragma("omp for collapse(2) schedule(static) nowait") /* the region's end waits */
     for (int64_t p = 0; p < panels; p++)
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t n0 = p * TILE_BLOCKS * 16, m0 = c * CHUNK_ROWS;
@@ -186,6 +189,7 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
                           (char *)out + (size_t)(m * N) * out_size);
             }
         }
+    }
     free(q);
     free(row_scales);
 #endif
