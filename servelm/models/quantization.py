@@ -32,31 +32,18 @@ from servelm.models.packed import PackedLinear, can_pack, replace_linears
 SMALL_BATCH = 4
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` ``[N, K]`` as int8 rows (symmetric, round to nearest, in [-127, 127]) and bfloat16 scales
-    ``[N]`` (max |row| / 127, rounded to bfloat16 first so that the int8 values are exact against them)."""
-    w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16)
-    qweight = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return qweight.contiguous(), scales
+class Int8Rows(nn.Module):
+    """A linear layer's weight ``[out, in]`` as int8 rows times bfloat16 per-row scales (symmetric, round to
+    nearest, in [-127, 127]; each scale max |row| / 127, rounded to bfloat16 before the rows are divided by
+    it), and its bias: what :class:`Int8Linear` and ``w8a8.W8A8Linear`` share."""
 
-
-class Int8Linear(nn.Module):
-    """``y = x W^T + b`` with ``W`` stored as int8 rows times per-row scales."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: int = SMALL_BATCH):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        qweight, scales = quantize_rows(weight)
-        self.register_buffer("qweight", qweight.contiguous())
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16)
+        self.register_buffer("qweight", torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.small_batch = small_batch
-        # The dequantized weights, in the model's dtype, for large batches:
-        # only a oneDNN-prepacked copy where bfloat16 packing pays (packed.py).
-        dense = (qweight.float() * scales.float()[:, None]).to(weight.dtype)
-        packable = can_pack(weight.dtype, weight.device)
-        self.dense = PackedLinear(dense, self.bias) if packable else None
-        self.register_buffer("weight", None if packable else dense)
 
     @property
     def in_features(self) -> int:
@@ -67,8 +54,23 @@ class Int8Linear(nn.Module):
         return self.qweight.shape[0]
 
     def one_row_weights(self) -> kernels.LinearWeights:
-        """What servelm's one-token decoder reads of this layer (its int8 kernel, as forward runs for one row)."""
+        """What servelm's one-token decoder reads of this layer (the int8 matrix-vector kernel, as forward runs
+        for one row)."""
         return kernels.LinearWeights(self.qweight, self.scales, self.bias)
+
+
+class Int8Linear(Int8Rows):
+    """``y = x W^T + b`` with ``W`` stored as int8 rows times per-row scales."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: int = SMALL_BATCH):
+        super().__init__(weight, bias)
+        self.small_batch = small_batch
+        # The dequantized weights, in the model's dtype, for large batches:
+        # only a oneDNN-prepacked copy where bfloat16 packing pays (packed.py).
+        dense = (self.qweight.float() * self.scales.float()[:, None]).to(weight.dtype)
+        packable = can_pack(weight.dtype, weight.device)
+        self.dense = PackedLinear(dense, self.bias) if packable else None
+        self.register_buffer("weight", None if packable else dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

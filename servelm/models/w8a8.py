@@ -2,7 +2,7 @@
 
 Every linear layer of the decoder gets int8 weights with one scale per
 output row, as ``--quantization int8`` makes them
-(``quantization.quantize_rows``); the LM head is int8 weight-only, as with
+(``quantization.Int8Rows``); the LM head is int8 weight-only, as with
 ``int8`` (``quantize_w8a8`` says why). Where ``int8`` multiplies several rows in
 bfloat16 over a dequantized copy, ``w8a8`` quantizes each row of the
 activations on the fly (symmetric, one scale per token: max |x| / 127) and
@@ -31,7 +31,7 @@ from torch import nn
 
 from servelm import kernels
 from servelm.models.packed import replace_linears
-from servelm.models.quantization import Int8Linear, quantize_rows
+from servelm.models.quantization import Int8Linear, Int8Rows
 
 logger = logging.getLogger(__name__)
 
@@ -51,33 +51,17 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(xf * inverse).clamp(-127, 127).to(torch.int8), top / 127.0
 
 
-class W8A8Linear(nn.Module):
-    """``y = x W^T + b`` with ``W`` int8 rows times per-row scales and ``x`` quantized per row to int8."""
+class W8A8Linear(Int8Rows):
+    """``y = x W^T + b`` with ``W`` int8 rows times per-row scales and ``x`` quantized per row to int8; the plain
+    int8 rows serve one-row products and the portable path, the packed ones the kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        qweight, scales = quantize_rows(weight)
-        self.register_buffer("qweight", qweight)  # plain rows: one-row products, and the portable path
-        self.register_buffer("scales", scales)  # bfloat16, as the matrix-vector kernel reads them
-        self.register_buffer("weight_scales", scales.float())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        super().__init__(weight, bias)
+        self.register_buffer("weight_scales", self.scales.float())
         native = kernels.cpu_kernels() if weight.device.type == "cpu" else None
-        self.packed = native.w8a8_pack(qweight) if native is not None else None
+        self.packed = native.w8a8_pack(self.qweight) if native is not None else None
         if self.packed is None:
             _warn_portable("no AVX512-VNNI" if native is not None else "servelm's CPU kernels are unavailable")
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    def one_row_weights(self) -> kernels.LinearWeights:
-        """What servelm's one-token decoder reads of this layer (the int8 matrix-vector kernel, as forward runs
-        for one row)."""
-        return kernels.LinearWeights(self.qweight, self.scales, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
@@ -101,8 +85,9 @@ def quantize_w8a8(model: nn.Module, head_weight: torch.Tensor | None) -> int:
     its LM head (``model.lm_head``, or ``head_weight`` where the head is tied to the embedding) by a
     weight-only :class:`Int8Linear`, in place. Returns the number of layers quantized.
 
-    The head stays weight-only: rounding the final hidden state to int8 costs more quality than rounding any
-    other layer's input (bench/quant_quality.py), and the head runs on one row per sequence only.
+    The head stays weight-only: rounding the final hidden state to int8 moved perplexity markedly more than
+    the rest of the model's rounding did (bench/quant_quality.py, docs/BENCHMARKS.md), and the head runs on
+    one row per sequence only.
     """
     head = model.lm_head
     weight, bias = (head_weight, None) if head is None else (head.weight, head.bias)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from servelm.models.quantization import Int8Linear, quantize_rows
+from servelm.models.quantization import Int8Linear, Int8Rows
 from servelm.models.w8a8 import W8A8Linear, quantize_activations, quantize_w8a8
 
 # (M, K, N): ragged rows (1, 5, past one 48-row work item, past one 6-row tile), outputs not a multiple of 16
@@ -128,9 +128,9 @@ def test_quantize_w8a8_keeps_the_head_weight_only():
     assert quantize_w8a8(model, embedding) == 3
     assert isinstance(model.model[0], W8A8Linear) and isinstance(model.model[1][0], W8A8Linear)
     assert isinstance(model.lm_head, Int8Linear) and model.lm_head.out_features == 32
-    # the same int8 rows as weight-only int8 makes
-    qweight, scales = quantize_rows(embedding)
-    assert torch.equal(model.lm_head.qweight, qweight) and torch.equal(model.lm_head.scales, scales)
+    # the same int8 rows as the decoder's layers make of the same weight
+    rows = Int8Rows(embedding)
+    assert torch.equal(model.lm_head.qweight, rows.qweight) and torch.equal(model.lm_head.scales, rows.scales)
 
 
 def test_the_setting_flows_into_the_engine_config():
