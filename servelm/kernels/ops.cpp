@@ -297,6 +297,8 @@ at::Tensor w8a8_linear(const at::Tensor &x_arg, const at::Tensor &packed, const 
     CHECK_ARG(w8a8_supported(), op, ": this CPU has no AVX512-VNNI, so no packed layout (w8a8_pack gives None)");
     check_float(op, x_arg, {});
     CHECK_ARG(x_arg.dim() == 2 && x_arg.size(1) > 0 && out_features > 0, op, ": x must be [rows, in_features]");
+    // Each int32 sum adds in_features products of at most 255 * 127.
+    CHECK_ARG(x_arg.size(1) <= 65536, op, ": in_features up to 65536 (int32 sums), not ", x_arg.size(1));
     CHECK_ARG(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
                   packed.size(0) == w8a8_packed_bytes(out_features, x_arg.size(1)),
               op, ": packed must be w8a8_pack's int8 tensor for [out_features, x's in_features]");

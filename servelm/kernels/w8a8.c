@@ -20,7 +20,6 @@
  * TILE_BLOCKS blocks (a panel's weights stay in the core's L2 while every
  * row passes over them). Elsewhere w8a8_supported() is 0 and callers keep
  * PyTorch's path. Built at first use by servelm/kernels. */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -98,6 +98,7 @@ def w8a8_args(native_kernels) -> dict:
         (dict(bias=torch.randn(19)), "bias must be"),
         (dict(bias=torch.randn(20).bfloat16()), "one dtype"),
         (dict(out_features=0), "x must be"),
+        (dict(x=torch.randn(1, 65540)), "65536"),  # its int32 sums could overflow
     ],
 )
 def test_w8a8_linear_refuses_what_its_kernel_cannot_read(native_kernels, change, message):
