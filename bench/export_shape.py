@@ -176,7 +176,7 @@ def gguf_tensors(shape: Shape, folder: Path) -> Iterator[tuple[str, object]]:
     arch = gguf.MODEL_ARCH.QWEN2 if shape.architecture == "qwen2" else gguf.MODEL_ARCH.LLAMA
     names = gguf.get_tensor_name_map(arch, shape.num_hidden_layers)
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        for hf in f.keys():
+        for hf in f:
             array = f.get_tensor(hf).float().numpy()
             if shape.architecture == "llama" and ".q_proj." in hf:
                 array = permute_qk(array, shape.num_attention_heads)
@@ -297,7 +297,7 @@ def greedy_agrees(folder: Path) -> bool:
     with torch.no_grad():
         ids = torch.tensor([prompt])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=VERIFY_TOKENS, do_sample=False)
-    theirs = out[0, len(prompt):].tolist()
+    theirs = out[0, len(prompt) :].tolist()
     del hf
     gc.collect()
     llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory=256 << 20)
@@ -310,7 +310,9 @@ def greedy_agrees(folder: Path) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", choices=sorted(SHAPES), help="the model shape")
-    ap.add_argument("--cache", type=Path, default=export_model.default_cache(), help="cache root; models go to CACHE/models")
+    ap.add_argument(
+        "--cache", type=Path, default=export_model.default_cache(), help="cache root; models go to CACHE/models"
+    )
     ap.add_argument("--force", action="store_true", help="rewrite outputs that exist")
     ap.add_argument("--verify", action="store_true", help="check the GGUF and servelm against the folder")
     ap.add_argument("--no-q8", action="store_true", help="skip the Q8_0 GGUF")

@@ -70,16 +70,18 @@ def main() -> None:
         for m in args.rows:
             inputs = {dt: {i: torch.randn(m, i).to(dt) for i in (HIDDEN, FFN)} for dt in weights}
             plain = {
-                dt: _median_ms(lambda dt=dt: [F.linear(inputs[dt][w.shape[1]], w) for w in ws], args.repeats)
+                dt: _median_ms(
+                    lambda dt=dt, ws=ws, inputs=inputs: [F.linear(inputs[dt][w.shape[1]], w) for w in ws], args.repeats
+                )
                 for dt, ws in weights.items()
             }
             fp32, bf16 = plain[torch.float32], plain[torch.bfloat16]
             if packed:
                 x = inputs[torch.bfloat16]
-                pk = _median_ms(lambda: [p(x[p.in_features]) for p in packed], args.repeats)
+                pk = _median_ms(lambda x=x: [p(x[p.in_features]) for p in packed], args.repeats)
                 line = f"{m:>6} {fp32:>9.1f} {bf16:>9.1f} {pk:>10.1f} {bf16 / pk:>11.2f}x {fp32 / pk:>11.2f}x"
                 if pairs and m <= PAIR_MAX_ROWS:
-                    pr = _median_ms(lambda: [p(x[p.in_features]) for p in pairs], args.repeats)
+                    pr = _median_ms(lambda x=x: [p(x[p.in_features]) for p in pairs], args.repeats)
                     line += f" {pr:>9.1f} {pk / pr:>12.2f}x"
                 print(line)
             else:
@@ -101,8 +103,13 @@ def _gemv_against_packed(weights: list[torch.Tensor], packed: list[PackedLinear]
             times[name].append(_median_ms(lambda layers=layers: [p(x[p.in_features]) for p in layers], repeats))
     gigabytes = sum(w.nbytes for w in weights) / 1e9
     ms = {name: statistics.median(t) for name, t in times.items()}
-    print("M=1: " + ", ".join(f"{name} {t:.1f} ms ({gigabytes / t * 1e3:.1f} GB/s, {ms['packed'] / t:.2f}x packed)"
-                              for name, t in ms.items()))
+    print(
+        "M=1: "
+        + ", ".join(
+            f"{name} {t:.1f} ms ({gigabytes / t * 1e3:.1f} GB/s, {ms['packed'] / t:.2f}x packed)"
+            for name, t in ms.items()
+        )
+    )
 
 
 if __name__ == "__main__":

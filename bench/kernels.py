@@ -5,8 +5,9 @@ batch sizes and context lengths: the native paged kernel against gather + SDPA,
 with each path's largest difference from a float64 reference; then one layer's
 prefill attention in bfloat16 (fresh prompts and prompts behind a cached
 prefix), the native kernel against SDPA per prompt. Part 2 runs the
-engine on the same requests with all kernels on and all off (decode attention
-and the fused norm, RoPE and SiLU ops; alternating, median of --repeats) and
+engine on the same requests with all native kernels on and all off (attention,
+the fused norm, RoPE and SiLU ops, the GEMV, the small GEMM and the one-call
+decoding step; alternating, median of --repeats) and
 prints output tokens/s and the ratio, for the whole batch and for batch 1.
 
     .venv/bin/python bench/kernels.py
@@ -49,9 +50,18 @@ def layer_case(batch, context, heads, kv_heads, head_dim, dtype, block_size=16, 
     lens = [max(1, context - 5 * (i % 4)) for i in range(batch)]
     query = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
     new_kv = torch.randn(batch, kv_heads, head_dim, generator=gen).to(dtype)
-    slots = torch.tensor([tables[i, (n - 1) // block_size] * block_size + (n - 1) % block_size for i, n in enumerate(lens)])
-    meta = AttentionMetadata(slot_mapping=slots, query_lens=[1] * batch, context_lens=lens, block_tables=tables,
-                             num_prefills=0, num_prefill_tokens=0, decode_lens=torch.tensor(lens))
+    slots = torch.tensor(
+        [tables[i, (n - 1) // block_size] * block_size + (n - 1) % block_size for i, n in enumerate(lens)]
+    )
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_lens=[1] * batch,
+        context_lens=lens,
+        block_tables=tables,
+        num_prefills=0,
+        num_prefill_tokens=0,
+        decode_lens=torch.tensor(lens),
+    )
     scale = head_dim**-0.5
 
     def run():
@@ -62,9 +72,13 @@ def layer_case(batch, context, heads, kv_heads, head_dim, dtype, block_size=16, 
 
 
 def part_layer(dtype: torch.dtype) -> None:
-    print(f"one layer's decode attention, 9 heads / 3 KV heads x 64 (SmolLM2-135M), {dtype}, "
-          f"threads={torch.get_num_threads()}")
-    print(f"{'batch':>6s}{'context':>9s}{'pytorch us':>12s}{'native us':>11s}{'ratio':>8s}{'err pytorch':>13s}{'err native':>12s}")
+    print(
+        f"one layer's decode attention, 9 heads / 3 KV heads x 64 (SmolLM2-135M), {dtype}, "
+        f"threads={torch.get_num_threads()}"
+    )
+    print(
+        f"{'batch':>6s}{'context':>9s}{'pytorch us':>12s}{'native us':>11s}{'ratio':>8s}{'err pytorch':>13s}{'err native':>12s}"
+    )
     for batch, context in [(1, 200), (1, 1000), (8, 200), (32, 100), (32, 200), (32, 500)]:
         run, ref = layer_case(batch, context, 9, 3, 64, dtype)
         native_err = (run().double() - ref).abs().max().item()
@@ -72,7 +86,9 @@ def part_layer(dtype: torch.dtype) -> None:
         with PYTORCH_PATH:
             torch_err = (run().double() - ref).abs().max().item()
             pytorch = _median_us(run)
-        print(f"{batch:6d}{context:9d}{pytorch:12.1f}{native:11.1f}{pytorch / native:7.2f}x{torch_err:13.2e}{native_err:12.2e}")
+        print(
+            f"{batch:6d}{context:9d}{pytorch:12.1f}{native:11.1f}{pytorch / native:7.2f}x{torch_err:13.2e}{native_err:12.2e}"
+        )
 
 
 def prefill_case(prompts, context, new, heads, kv_heads, head_dim, block_size=16, seed=0):
@@ -85,9 +101,17 @@ def prefill_case(prompts, context, new, heads, kv_heads, head_dim, block_size=16
     query = torch.randn(prompts * new, heads, head_dim, generator=gen).to(torch.bfloat16)
     new_kv = torch.randn(prompts * new, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     positions = range(context - new, context)
-    slots = torch.tensor([tables[i, t // block_size] * block_size + t % block_size for i in range(prompts) for t in positions])
-    meta = AttentionMetadata(slot_mapping=slots, query_lens=[new] * prompts, context_lens=[context] * prompts,
-                             block_tables=tables, num_prefills=prompts, num_prefill_tokens=prompts * new)
+    slots = torch.tensor(
+        [tables[i, t // block_size] * block_size + t % block_size for i in range(prompts) for t in positions]
+    )
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_lens=[new] * prompts,
+        context_lens=[context] * prompts,
+        block_tables=tables,
+        num_prefills=prompts,
+        num_prefill_tokens=prompts * new,
+    )
     scale = head_dim**-0.5
 
     def run():
@@ -102,10 +126,14 @@ def prefill_case(prompts, context, new, heads, kv_heads, head_dim, block_size=16
 
 
 def part_prefill() -> None:
-    print(f"\none layer's prefill attention, 9 heads / 3 KV heads x 64 (SmolLM2-135M), bfloat16, "
-          f"threads={torch.get_num_threads()}")
-    print(f"{'prompts':>8s}{'context':>9s}{'new':>6s}{'pytorch us':>12s}{'native us':>11s}{'ratio':>8s}"
-          f"{'err pytorch':>13s}{'err native':>12s}")
+    print(
+        f"\none layer's prefill attention, 9 heads / 3 KV heads x 64 (SmolLM2-135M), bfloat16, "
+        f"threads={torch.get_num_threads()}"
+    )
+    print(
+        f"{'prompts':>8s}{'context':>9s}{'new':>6s}{'pytorch us':>12s}{'native us':>11s}{'ratio':>8s}"
+        f"{'err pytorch':>13s}{'err native':>12s}"
+    )
     for prompts, context, new in [(1, 158, 158), (1, 158, 142), (12, 158, 142), (1, 1024, 1024), (1, 2048, 512)]:
         run, ref = prefill_case(prompts, context, new, 9, 3, 64)
         native_err = (run().double() - ref).abs().max().item()
@@ -113,8 +141,10 @@ def part_prefill() -> None:
         with PYTORCH_PATH:
             torch_err = (run().double() - ref).abs().max().item()
             pytorch = _median_us(run, calls=10)
-        print(f"{prompts:8d}{context:9d}{new:6d}{pytorch:12.1f}{native:11.1f}{pytorch / native:7.2f}x"
-              f"{torch_err:13.2e}{native_err:12.2e}")
+        print(
+            f"{prompts:8d}{context:9d}{new:6d}{pytorch:12.1f}{native:11.1f}{pytorch / native:7.2f}x"
+            f"{torch_err:13.2e}{native_err:12.2e}"
+        )
 
 
 def part_engine(args) -> None:
@@ -140,8 +170,10 @@ def part_engine(args) -> None:
             with PYTORCH_PATH:
                 pytorch.append(rate(batch))
         rows[label] = statistics.median(pytorch), statistics.median(native)
-    print(f"\nengine, {llm.engine.runner.dtype}, {args.input_len} prompt + {args.output_len} output tokens, "
-          f"median of {args.repeats} (alternating)")
+    print(
+        f"\nengine, {llm.engine.runner.dtype}, {args.input_len} prompt + {args.output_len} output tokens, "
+        f"median of {args.repeats} (alternating)"
+    )
     print(f"{'':10s}{'pytorch tok/s':>15s}{'native tok/s':>14s}{'ratio':>8s}")
     for label, (pytorch, native) in rows.items():
         print(f"{label:10s}{pytorch:15.1f}{native:14.1f}{native / pytorch:7.2f}x")

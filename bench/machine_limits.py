@@ -134,7 +134,10 @@ def _read_candidates(mib: int) -> list[tuple[str, Callable[[], Callable[[], obje
 
         return make
 
-    return [(f"sum of {mib} MiB {dt}".replace("torch.", ""), summed(dt), mib * 2**20) for dt in (torch.bfloat16, torch.float32)]
+    return [
+        (f"sum of {mib} MiB {dt}".replace("torch.", ""), summed(dt), mib * 2**20)
+        for dt in (torch.bfloat16, torch.float32)
+    ]
 
 
 def _measure(limit: str, how: str, make: Callable[[], Callable[[], object]], work: float, repeats: int) -> Measurement:
@@ -166,7 +169,11 @@ def summary(measurements: list[Measurement]) -> dict[str, object]:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    for limit, rate_key in (("bf16_gemm", "bf16_gemm_flops"), ("int8_gemm", "int8_gemm_ops"), ("read", "read_bytes_per_s")):
+    for limit, rate_key in (
+        ("bf16_gemm", "bf16_gemm_flops"),
+        ("int8_gemm", "int8_gemm_ops"),
+        ("read", "read_bytes_per_s"),
+    ):
         ran = [m for m in measurements if m.limit == limit and m.rate is not None]
         best = max(ran, key=lambda m: m.rate or 0.0) if ran else None
         doc[rate_key] = best.rate if best else None
@@ -187,10 +194,23 @@ def _cpu_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gemm", type=parse_gemm, nargs="+", default=[parse_gemm(g) for g in DEFAULT_GEMMS],
-                    metavar="MxKxN", help="GEMM shapes (default: %(default)s)")
-    ap.add_argument("--read-mib", type=int, default=1024, help="size of the tensor summed for the read bandwidth (default: %(default)s)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed calls per candidate; the best counts (default: %(default)s)")
+    ap.add_argument(
+        "--gemm",
+        type=parse_gemm,
+        nargs="+",
+        default=[parse_gemm(g) for g in DEFAULT_GEMMS],
+        metavar="MxKxN",
+        help="GEMM shapes (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--read-mib",
+        type=int,
+        default=1024,
+        help="size of the tensor summed for the read bandwidth (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="timed calls per candidate; the best counts (default: %(default)s)"
+    )
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
     doc = summary(measure(args.gemm, args.read_mib, args.repeats))
@@ -199,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         unit = {"bf16_gemm": "GFLOP/s", "int8_gemm": "GOP/s", "read": "GB/s"}[m["limit"]]
         figure = f"{m['rate'] / 1e9:8.1f} {unit}" if m["rate"] is not None else f"unavailable ({m['error']})"
         print(f"  {m['how']:<48} {figure}")
-    print(f"bf16 GEMM peak {_giga(doc['bf16_gemm_flops'])} GFLOP/s, int8 GEMM peak {_giga(doc['int8_gemm_ops'])} GOP/s, "
-          f"memory read {_giga(doc['read_bytes_per_s'])} GB/s")
+    print(
+        f"bf16 GEMM peak {_giga(doc['bf16_gemm_flops'])} GFLOP/s, int8 GEMM peak {_giga(doc['int8_gemm_ops'])} GOP/s, "
+        f"memory read {_giga(doc['read_bytes_per_s'])} GB/s"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

@@ -118,7 +118,9 @@ class ModelCost:
         return weights + batch * context * self.kv_bytes_per_token
 
 
-def flops_per_second(cost: ModelCost, completed: int, prompt_tokens: int, output_tokens: int, duration_s: float) -> float | None:
+def flops_per_second(
+    cost: ModelCost, completed: int, prompt_tokens: int, output_tokens: int, duration_s: float
+) -> float | None:
     """Achieved FLOP/s of a level: ``completed`` requests of these token totals in ``duration_s`` of wall time.
 
     Requests are taken as alike (each the level's mean prompt and output): the

@@ -22,9 +22,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from servelm.engine.config import QUANTIZATIONS  # noqa: E402
+from servelm.engine.config import QUANTIZATIONS
 
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -56,24 +56,37 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-single", type=int, default=2, help="requests HF runs one at a time (its rate is per request)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (servelm's choice for this CPU; HF runs the same)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="float32, bfloat16, float16 or auto (servelm's choice for this CPU; HF runs the same)",
+    )
     ap.add_argument("--hf-dtype", default=None, help="dtype of the HF baseline (default: --dtype's)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="servelm's (default: %(default)s)")
     ap.add_argument("--against", choices=QUANTIZATIONS, help="also run servelm with this quantization, alternating")
     ap.add_argument("--no-hf", action="store_true", help="leave out the HF baseline")
-    ap.add_argument("--no-prefix-caching", action="store_true",
-                    help="servelm prefills every prompt on every run (by default runs after the first find the "
-                         "prompts in its prefix cache)")  # fmt: skip
+    ap.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="servelm prefills every prompt on every run (by default runs after the first find them cached)",
+    )
     args = ap.parse_args()
 
     from servelm import LLM, SamplingParams
 
     def engine(quantization: str) -> LLM:
-        return LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=2 << 30,
-                   quantization=quantization, enable_prefix_caching=not args.no_prefix_caching)  # fmt: skip
+        return LLM(
+            args.model,
+            dtype=args.dtype,
+            device="cpu",
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory=2 << 30,
+            quantization=quantization,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
 
     llm = engine(args.quantization)
     dtype = llm.engine.runner.dtype  # what --dtype (auto included) resolved to
@@ -102,8 +115,14 @@ def main() -> None:
     def hf_generate(batch: list[list[int]]) -> None:
         ids = torch.tensor(batch)
         with torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_len,
-                        min_new_tokens=args.output_len, do_sample=False, pad_token_id=0)
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     servelm_rate = _median_rate(lambda: llm.generate(prompts, params), n_out, args.repeats)
@@ -114,10 +133,14 @@ def main() -> None:
     hf_single = _median_rate(lambda: [hf_generate([p]) for p in single], len(single) * args.output_len, args.repeats)
     hf_batched = _median_rate(lambda: hf_generate(prompts), n_out, args.repeats)
 
-    print(f"model {args.model}, servelm {dtype} (quantization {args.quantization}), HF {hf_dtype}, "
-          f"cpu threads={torch.get_num_threads()}")
-    print(f"{args.num_prompts} requests x {args.input_len} prompt + {args.output_len} output tokens, "
-          f"median of {args.repeats}")
+    print(
+        f"model {args.model}, servelm {dtype} (quantization {args.quantization}), HF {hf_dtype}, "
+        f"cpu threads={torch.get_num_threads()}"
+    )
+    print(
+        f"{args.num_prompts} requests x {args.input_len} prompt + {args.output_len} output tokens, "
+        f"median of {args.repeats}"
+    )
     print(f"{'':34s}{'output tok/s':>14s}")
     print(f"{'servelm, all requests batched':34s}{servelm_rate:14.1f}")
     print(f"{'HF generate, one at a time':34s}{hf_single:14.1f}")
@@ -135,17 +158,18 @@ def _compare(llm, other, args, prompts, params) -> None:
     for engine in (llm, other):
         engine.generate(prompts[:2], warm)
     n_out = args.num_prompts * args.output_len
-    batched = _interleaved_rates([lambda e=e: e.generate(prompts, params) for e in (llm, other)], n_out, args.repeats)
-    one = _interleaved_rates([lambda e=e: e.generate(prompts[:1], params) for e in (llm, other)], args.output_len,
-                             args.repeats)  # fmt: skip
-    print(f"model {args.model}, {llm.engine.runner.dtype}, {args.num_prompts} requests x {args.input_len} prompt + "
-          f"{args.output_len} output tokens, median of {args.repeats} alternating runs, "
-          f"cpu threads={torch.get_num_threads()}")
+    engines = (llm, other)
+    batched = _interleaved_rates([lambda e=e: e.generate(prompts, params) for e in engines], n_out, args.repeats)
+    one = _interleaved_rates([lambda e=e: e.generate(prompts[:1], params) for e in engines], args.output_len, args.repeats)
+    print(
+        f"model {args.model}, {llm.engine.runner.dtype}, {args.num_prompts} requests x {args.input_len} prompt + "
+        f"{args.output_len} output tokens, median of {args.repeats} alternating runs, "
+        f"cpu threads={torch.get_num_threads()}"
+    )
     print(f"{'output tok/s':>40s}{'all batched':>14s}{'batch 1':>10s}")
     for name, b, o in ((args.quantization, batched[0], one[0]), (args.against, batched[1], one[1])):
         print(f"{'servelm, quantization ' + name:40s}{b:14.1f}{o:10.1f}")
-    print(f"ratio {args.against} / {args.quantization}: {batched[1] / batched[0]:.2f}x batched, "
-          f"{one[1] / one[0]:.2f}x batch 1")
+    print(f"ratio {args.against} / {args.quantization}: {batched[1] / batched[0]:.2f}x batched, {one[1] / one[0]:.2f}x batch 1")
 
 
 if __name__ == "__main__":

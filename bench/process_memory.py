@@ -147,7 +147,9 @@ def summarize(samples: Iterable[Sample], interval_s: float) -> dict[str, float |
     }
 
 
-def sample_until(root: int, stop: threading.Event, interval_s: float, seconds: float | None, proc: Path = PROC) -> list[Sample]:
+def sample_until(
+    root: int, stop: threading.Event, interval_s: float, seconds: float | None, proc: Path = PROC
+) -> list[Sample]:
     """Samples every ``interval_s`` until ``stop`` is set, ``seconds`` have passed, or ``root`` is gone."""
     samples = []
     end = None if seconds is None else time.monotonic() + seconds
@@ -157,7 +159,11 @@ def sample_until(root: int, stop: threading.Event, interval_s: float, seconds: f
             break
         samples.append(sample)
         if len(samples) == 1:
-            print(f"process_memory: sampling PID {root}'s tree ({sample.processes} processes)", file=sys.stderr, flush=True)
+            print(
+                f"process_memory: sampling PID {root}'s tree ({sample.processes} processes)",
+                file=sys.stderr,
+                flush=True,
+            )
         wait = interval_s if end is None else min(interval_s, end - time.monotonic())
         if wait <= 0 or stop.wait(wait):
             break
@@ -190,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     figures = summarize(samples, args.interval)
     merge_phase(args.out, args.phase, figures)
-    print(f"process_memory: {args.phase}: {figures['samples']} samples, RSS max {_mib(figures['rss_max'])} MiB, "
-          f"PSS max {_mib(figures['pss_max'])} MiB, {figures['processes_max']} processes", file=sys.stderr)
+    print(
+        f"process_memory: {args.phase}: {figures['samples']} samples, RSS max {_mib(figures['rss_max'])} MiB, "
+        f"PSS max {_mib(figures['pss_max'])} MiB, {figures['processes_max']} processes",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -72,9 +72,13 @@ def main() -> None:
     for name in ("bfloat16", "int8", "int8-bf16"):
         rate, out = results[name]
         identical = sum(a == b for a, b in zip(fp_out, out))
-        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) / len(a) for a, b in zip(fp_out, out)]
-        print(f"{name} vs float32: {rate / fp_rate:.2f}x batch-1 speed; greedy: {identical}/{len(PROMPTS)} completions "
-              f"identical, {100 * statistics.mean(prefix):.0f}% of tokens before the first difference on average")
+        prefix = [
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) / len(a) for a, b in zip(fp_out, out)
+        ]
+        print(
+            f"{name} vs float32: {rate / fp_rate:.2f}x batch-1 speed; greedy: {identical}/{len(PROMPTS)} completions "
+            f"identical, {100 * statistics.mean(prefix):.0f}% of tokens before the first difference on average"
+        )
 
 
 if __name__ == "__main__":

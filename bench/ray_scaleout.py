@@ -6,7 +6,7 @@ sides alike); the figures are medians over rounds and the ratio B/A:
 
 - ``overhead``: the in-process engine (A) against one replica on Ray (B,
   ``--replicas 1``) at c=1 and c=32: ITL p50 and output throughput.
-- ``scaling``: one replica of ``--replica-cpus`` cores (A) against N replicas
+- ``scaling``: one replica of ``--cpus`` cores (A; the server's ``--replica-cpus``) against N replicas
   of as many cores each (B, ``--replicas N``), c=32 on the chat endpoint:
   output throughput. On a machine with 2N cores or more use
   ``--replicas-b N``; each replica's threads follow its cores.
@@ -44,10 +44,16 @@ def overhead(rounds: int, cpus: int, output_len: int, out) -> None:
                     row = rows.setdefault((name, c), {"itl": [], "tput": []})
                     row["itl"].append(level["itl_ms"]["median"])
                     row["tput"].append(level["output_throughput"])
-                    print(f"round {r} {name} c={c}: ITL p50 {level['itl_ms']['median']:.1f} ms, "
-                          f"{level['output_throughput']:.1f} tok/s", file=out, flush=True)
-    print("\n| c | ITL p50 in-process (ms) | ITL p50 on Ray (ms) | ratio | tok/s in-process | tok/s on Ray | ratio |",
-          file=out)
+                    print(
+                        f"round {r} {name} c={c}: ITL p50 {level['itl_ms']['median']:.1f} ms, "
+                        f"{level['output_throughput']:.1f} tok/s",
+                        file=out,
+                        flush=True,
+                    )
+    print(
+        "\n| c | ITL p50 in-process (ms) | ITL p50 on Ray (ms) | ratio | tok/s in-process | tok/s on Ray | ratio |",
+        file=out,
+    )
     print("|---|---|---|---|---|---|---|", file=out)
     for c in (1, 32):
         a, b = rows[("in-process", c)], rows[("1 replica on Ray", c)]
@@ -74,7 +80,9 @@ def scaling(rounds: int, cpus: int, replicas_b: int, output_len: int, out) -> No
 
 
 def _system_prompt(i: int) -> str:
-    rules = " ".join(f"Rule {k}: always answer questions about topic {k * 7 + i} politely and briefly." for k in range(20))
+    rules = " ".join(
+        f"Rule {k}: always answer questions about topic {k * 7 + i} politely and briefly." for k in range(20)
+    )
     return f"You are assistant number {i}. {rules}"
 
 
@@ -84,7 +92,10 @@ def _prefix_counts(url: str) -> tuple[float, float]:
     values = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for s in family.samples:
-            if "replica" not in s.labels and s.name in ("servelm:prefix_cache_queries_total", "servelm:prefix_cache_hits_total"):
+            if "replica" not in s.labels and s.name in (
+                "servelm:prefix_cache_queries_total",
+                "servelm:prefix_cache_hits_total",
+            ):
                 values[s.name] = s.value
     return values.get("servelm:prefix_cache_queries_total", 0.0), values.get("servelm:prefix_cache_hits_total", 0.0)
 
@@ -97,9 +108,16 @@ def _shared_prefix_run(url: str, concurrency: int) -> tuple[float, float]:
 
     def one(job):
         i, j = job
-        body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "stream": True, "messages": [
-            {"role": "system", "content": _system_prompt(i)},
-            {"role": "user", "content": f"User {j} asks: what is {j} + {i}?"}]}
+        body = {
+            "model": MODEL,
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+            "messages": [
+                {"role": "system", "content": _system_prompt(i)},
+                {"role": "user", "content": f"User {j} asks: what is {j} + {i}?"},
+            ],
+        }
         start = time.perf_counter()
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
             for line in r.iter_lines():
@@ -136,10 +154,16 @@ def main() -> None:
     p.add_argument("--experiments", default="overhead,scaling,prefix")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cpus", type=int, default=1, help="cores per replica for scaling and prefix (default: 1)")
-    p.add_argument("--overhead-cpus", type=int, default=os.cpu_count() or 1,
-                   help="cores of the engine in the overhead pair (default: all)")
+    p.add_argument(
+        "--overhead-cpus",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="cores of the engine in the overhead pair (default: all)",
+    )
     p.add_argument("--replicas-b", type=int, default=2, help="replicas of the scaling experiment's B side")
-    p.add_argument("--kv-cache-memory", default="64MiB", help="per replica in the prefix experiment (small, so eviction matters)")
+    p.add_argument(
+        "--kv-cache-memory", default="64MiB", help="per replica in the prefix experiment (small, so eviction matters)"
+    )
     p.add_argument("--output-len", type=int, default=32, help="tokens per request in overhead and scaling")
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} cores; load average before: {os.getloadavg()}", flush=True)

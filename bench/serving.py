@@ -35,8 +35,23 @@ def server(args: list[str], env_extra: dict[str, str] | None = None, timeout: fl
     port = free_port()
     # dtype pinned: `auto` times bfloat16 against float32 at start-up, and on a
     # loaded machine two servers could pick differently.
-    cmd = [sys.executable, "-m", "servelm", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--embedding-model", "none", "--log-level", "warning", "--dtype", DTYPE, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "servelm",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--embedding-model",
+        "none",
+        "--log-level",
+        "warning",
+        "--dtype",
+        DTYPE,
+        *args,
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
     env.pop("RAY_ADDRESS", None)
     env.setdefault("RAY_AUTH_MODE", "disabled")
@@ -65,14 +80,36 @@ def server(args: list[str], env_extra: dict[str, str] | None = None, timeout: fl
                 proc.wait()
 
 
-def bench_serve(url: str, concurrency: int, num_prompts: int, output_len: int, endpoint: str,
-                extra_args: tuple[str, ...] = ()) -> dict:
+def bench_serve(
+    url: str, concurrency: int, num_prompts: int, output_len: int, endpoint: str, extra_args: tuple[str, ...] = ()
+) -> dict:
     """One ``servelm bench serve`` level (``extra_args`` added to its flags); returns its summary."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "servelm", "bench", "serve", "--base-url", url, "--endpoint", endpoint,
-               "--concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--input-len", "128",
-               "--output-len", str(output_len), "--warmup", str(min(concurrency, 4)), "--result-json", out.name,
-               "--no-progress", *extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "servelm",
+            "bench",
+            "serve",
+            "--base-url",
+            url,
+            "--endpoint",
+            endpoint,
+            "--concurrency",
+            str(concurrency),
+            "--num-prompts",
+            str(num_prompts),
+            "--input-len",
+            "128",
+            "--output-len",
+            str(output_len),
+            "--warmup",
+            str(min(concurrency, 4)),
+            "--result-json",
+            out.name,
+            "--no-progress",
+            *extra_args,
+        ]
         subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
         return json.loads(Path(out.name).read_text())["levels"][0]
 

@@ -76,8 +76,12 @@ def main() -> None:
 
     from servelm import LLM, SamplingParams
 
-    common = {"dtype": args.dtype, "device": "cpu", "kv_cache_memory": 256 << 20,
-              "num_speculative_tokens": args.num_speculative_tokens}
+    common = {
+        "dtype": args.dtype,
+        "device": "cpu",
+        "kv_cache_memory": 256 << 20,
+        "num_speculative_tokens": args.num_speculative_tokens,
+    }
     variants = {"plain": {}, "ngram": {"speculative_method": "ngram"}}
     if args.draft_model:
         variants["draft"] = {"speculative_method": "draft", "speculative_model": args.draft_model}
@@ -103,9 +107,11 @@ def main() -> None:
             assert out == outputs[name]
             print(f"  {name}: {rates[name][-1]:.1f} tok/s", flush=True)
 
-    print(f"model {args.model}, {plain.engine.runner.dtype}, cpu threads={torch.get_num_threads()}; "
-          f"task {args.task}: {len(prompt)} prompt tokens, {len(outputs['plain'])} output tokens (greedy), "
-          f"k={args.num_speculative_tokens}, median of {args.repeats}")
+    print(
+        f"model {args.model}, {plain.engine.runner.dtype}, cpu threads={torch.get_num_threads()}; "
+        f"task {args.task}: {len(prompt)} prompt tokens, {len(outputs['plain'])} output tokens (greedy), "
+        f"k={args.num_speculative_tokens}, median of {args.repeats}"
+    )
     base = statistics.median(rates["plain"])
     print(f"{'':8s}{'tok/s':>10s}{'ratio':>8s}{'accepted':>10s}{'tok/step':>10s}  output")
     for name, llm in engines.items():

@@ -56,9 +56,11 @@ def compile_times(out) -> None:
     tokenizer = load_tokenizer(resolve_model_path(MODEL))
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
     rows = []
-    for label, schema in (("first compile (with the tokenizer info)", SCHEMA),
-                          ("a new schema", {**SCHEMA, "description": "another"}),
-                          ("the same schema again (cache hit)", SCHEMA)):
+    for label, schema in (
+        ("first compile (with the tokenizer info)", SCHEMA),
+        ("a new schema", {**SCHEMA, "description": "another"}),
+        ("the same schema again (cache hit)", SCHEMA),
+    ):
         start = time.perf_counter()
         compiler.compile(StructuredOutputsParams(json=schema))
         rows.append((label, (time.perf_counter() - start) * 1000))
@@ -69,24 +71,36 @@ def compile_times(out) -> None:
 
 def first_use_latency(url: str, repeats: int, out) -> None:
     """Latency of 1-token chat requests: unconstrained, a schema never seen (compiled), the schema again (cached)."""
+
     def one(fields: dict) -> float:
-        body = {"model": MODEL, "max_tokens": 1, "temperature": 0,
-                "messages": [{"role": "user", "content": "List people as JSON."}], **fields}
+        body = {
+            "model": MODEL,
+            "max_tokens": 1,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "List people as JSON."}],
+            **fields,
+        }
         start = time.perf_counter()
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
         r.raise_for_status()
         return (time.perf_counter() - start) * 1000
 
     one({})  # the server's first request warms up what every request uses
-    check = httpx.post(url + "/v1/chat/completions", timeout=600, json={
-        "model": MODEL, "max_tokens": 12, "messages": [{"role": "user", "content": "Hi"}],
-        "response_format": response_format(SCHEMA)})
+    check = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=600,
+        json={
+            "model": MODEL,
+            "max_tokens": 12,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "response_format": response_format(SCHEMA),
+        },
+    )
     text = check.json()["choices"][0]["message"]["content"]
     if not text.startswith('{"title": "'):
         raise RuntimeError(f"the server did not follow the schema: {text!r}")
     free = [one({}) for _ in range(repeats)]
-    fresh = [one({"response_format": response_format({**SCHEMA, "description": f"fresh {i}"})})
-             for i in range(repeats)]
+    fresh = [one({"response_format": response_format({**SCHEMA, "description": f"fresh {i}"})}) for i in range(repeats)]
     cached = [one({"response_format": response_format(SCHEMA)}) for _ in range(repeats + 1)][1:]
     print("\n| 1-token chat request over HTTP | median ms |\n|---|---|", file=out)
     print(f"| unconstrained | {statistics.median(free):.1f} |", file=out)
@@ -95,8 +109,10 @@ def first_use_latency(url: str, repeats: int, out) -> None:
 
 
 def load(url: str, rounds: int, concurrency: int, num_prompts: int, output_len: int, out) -> None:
-    sides = (("unconstrained", ()),
-             ("JSON schema", ("--extra-body", json.dumps({"response_format": response_format(SCHEMA)}))))
+    sides = (
+        ("unconstrained", ()),
+        ("JSON schema", ("--extra-body", json.dumps({"response_format": response_format(SCHEMA)}))),
+    )
     figures: dict[str, dict[str, list]] = {name: {"tput": [], "ttft": [], "itl": []} for name, _ in sides}
     for r in range(rounds):
         for name, extra in sides:
@@ -108,12 +124,20 @@ def load(url: str, rounds: int, concurrency: int, num_prompts: int, output_len: 
             row["tput"].append(level["output_throughput"])
             row["ttft"].append(level["ttft_ms"]["median"])
             row["itl"].append(level["itl_ms"]["median"])
-            print(f"round {r} {name}: {level['output_throughput']:.1f} tok/s, TTFT p50 {level['ttft_ms']['median']:.0f} ms, "
-                  f"ITL p50 {level['itl_ms']['median']:.1f} ms", file=out, flush=True)
+            print(
+                f"round {r} {name}: {level['output_throughput']:.1f} tok/s, TTFT p50 {level['ttft_ms']['median']:.0f} ms, "
+                f"ITL p50 {level['itl_ms']['median']:.1f} ms",
+                file=out,
+                flush=True,
+            )
     a, b = figures["unconstrained"], figures["JSON schema"]
     print(f"\n| c={concurrency}, {output_len} tokens each, chat | unconstrained | JSON schema | ratio |", file=out)
     print("|---|---|---|---|", file=out)
-    for label, key, fmt in (("output tok/s", "tput", ".1f"), ("TTFT p50 (ms)", "ttft", ".0f"), ("ITL p50 (ms)", "itl", ".1f")):
+    for label, key, fmt in (
+        ("output tok/s", "tput", ".1f"),
+        ("TTFT p50 (ms)", "ttft", ".0f"),
+        ("ITL p50 (ms)", "itl", ".1f"),
+    ):
         ma, mb = median(a[key]), median(b[key])
         print(f"| {label} (median of {rounds}) | {ma:{fmt}} | {mb:{fmt}} | {ratio(mb, ma)} |", file=out)
 

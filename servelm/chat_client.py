@@ -32,9 +32,7 @@ def run_chat(
     """Interactive chat against a running server; returns the exit status."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = server_base_url(url)
-    client = httpx.Client(
-        base_url=base, headers=headers, timeout=httpx.Timeout(30.0, read=None), transport=transport
-    )
+    client = httpx.Client(base_url=base, headers=headers, timeout=httpx.Timeout(30.0, read=None), transport=transport)
     with client:
         try:
             if model is None:
@@ -94,7 +92,7 @@ def _stream_reply(client: httpx.Client, body: dict[str, Any], out: TextIO) -> tu
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     break
                 event = json.loads(data)

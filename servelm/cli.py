@@ -142,12 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Chat with a running servelm (or any OpenAI-compatible) server. Replies stream as they are "
         "generated; the conversation is kept. Exit with /quit or Ctrl-D; /reset starts over.",
     )
-    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server URL, with or without /v1 (default: %(default)s)")
+    chat.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="server URL, with or without /v1 (default: %(default)s)"
+    )
     chat.add_argument("--api-key", default=None, help=f"API key (default: the first of {ENV_PREFIX}API_KEYS, if set)")
     chat.add_argument("--model", default=None, help="model to chat with (default: the server's first model)")
     chat.add_argument("--system", default=None, metavar="PROMPT", help="system prompt")
     chat.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
-    chat.add_argument("--max-tokens", type=int, default=None, help="longest reply in tokens (default: up to the context)")
+    chat.add_argument(
+        "--max-tokens", type=int, default=None, help="longest reply in tokens (default: up to the context)"
+    )
     add_bench_parser(sub)
     return parser
 

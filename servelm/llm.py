@@ -83,7 +83,10 @@ class LLM:
         prompts = []
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tools=tools,
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tools=tools,
                 tool_call_parser=fmt,
             )
             # The template already carries the model's special tokens.

@@ -22,7 +22,6 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from servelm.engine.config import EngineConfig
 from servelm.settings_base import (
     ENV_PREFIX,
     GROUPS,
@@ -32,13 +31,25 @@ from servelm.settings_base import (
     SettingsError,
     YamlFileSource,
     async_storage_uri,
+    none_text,
     parse_memory,
     setting,
     split_list,
 )
+from servelm.settings_engine import EngineSettings
 
-__all__ = ["ENV_PREFIX", "GROUPS", "RateLimit", "RateLimits", "Settings", "SettingsError", "async_storage_uri",
-           "parse_memory", "setting", "unknown_env_vars"]
+__all__ = [
+    "ENV_PREFIX",
+    "GROUPS",
+    "RateLimit",
+    "RateLimits",
+    "Settings",
+    "SettingsError",
+    "async_storage_uri",
+    "parse_memory",
+    "setting",
+    "unknown_env_vars",
+]
 
 # Kept in step with servelm.models.registry (a test checks); not imported from
 # there so that the API, which imports settings, never pulls in servelm.models.
@@ -46,10 +57,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
-class Settings(BaseSettings):
+class Settings(EngineSettings, BaseSettings):
     """Everything ``servelm serve`` can be told, with its default.
 
-    ``engine_config()`` turns the engine fields into an ``EngineConfig``.
+    The engine's settings (and ``engine_config()``) come from :class:`EngineSettings`.
     """
 
     model_config = SettingsConfigDict(
@@ -60,7 +71,10 @@ class Settings(BaseSettings):
     )
 
     config: Path | None = setting(
-        None, "YAML config file (see servelm.yaml); flags and environment variables override it", group="", metavar="FILE"
+        None,
+        "YAML config file (see servelm.yaml); flags and environment variables override it",
+        group="",
+        metavar="FILE",
     )
 
     model: str = setting(
@@ -95,88 +109,6 @@ class Settings(BaseSettings):
         "Qwen, Hermes, ChatML models), llama3_json (Llama 3.x JSON calls) or mistral ([TOOL_CALLS][...]); "
         "auto: the one its chat template implies, hermes when it implies none",
         group="models",
-    )
-
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
-        "auto",
-        "weight and activation dtype; auto: bfloat16 on CUDA and on CPUs whose bfloat16 matmuls are at least "
-        "1.5x faster than float32 ones (measured at start-up and logged), else float32",
-        group="engine",
-    )
-    device: str = setting(
-        "auto", "cpu, cuda, cuda:N, mps or auto", group="engine", metavar="DEVICE", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$"
-    )
-    max_num_seqs: int = setting(64, "most sequences running in one engine step", group="engine", metavar="N", ge=1)
-    max_num_batched_tokens: int = setting(
-        2048, "token budget of one engine step (prefill chunks + decodes)", group="engine", metavar="N", ge=1
-    )
-    max_model_len: int | None = setting(
-        None, "context length limit", group="engine", metavar="N", default_text="the model's own", ge=1
-    )
-    kv_cache_memory: int | float = setting(
-        1 << 30,
-        "paged KV cache size: bytes (1073741824, 4GiB, 512MB) or a fraction in (0, 1] of free device memory "
-        "(of available RAM on CPU), e.g. 0.5",
-        group="engine",
-        metavar="SIZE",
-    )
-    block_size: int = setting(16, "tokens per KV cache block, a power of two", group="engine", metavar="N")
-    enable_prefix_caching: bool = setting(
-        True, "reuse the KV cache of shared prompt prefixes", group="engine", flag="--prefix-caching"
-    )
-    seed: int = setting(
-        0, "engine random seed (a request's own seed overrides it for that request)", group="engine", metavar="N"
-    )
-    quantization: Literal["none", "int8", "w8a8"] = setting(
-        "none",
-        "weights: none, or int8 weight-only on CPU (per-row scales); int8 decodes one sequence faster than "
-        "float32 and bfloat16 and keeps a float copy for large batches, so it uses more memory, not less; "
-        "w8a8 (CPU) also quantizes activations per token and multiplies int8 by int8, for prefill and batched "
-        "decoding (up to twice bfloat16's rate with AVX512-VNNI; one sequence decodes as with int8); greedy "
-        "outputs agree with unquantized ones closely but not exactly (docs/BENCHMARKS.md)",
-        group="engine",
-    )
-    cpu_matmul: Literal["auto", "onednn", "pairs"] = setting(
-        "auto",
-        "bfloat16 matmuls of decoding steps of up to 64 sequences on CPU: pairs (servelm's small-GEMM kernel, "
-        "AVX512-BF16 CPUs), onednn (oneDNN's prepacked GEMM), or auto: the faster in a timing at start-up (logged); "
-        "pin it for reproducible runs",
-        group="engine",
-    )
-
-    speculative_method: Literal["none", "ngram", "draft"] = setting(
-        "none",
-        "none; ngram: prompt lookup, proposing the tokens that followed the last earlier occurrence of the "
-        "text's last few tokens (no second model; pays on tasks that repeat their input: rewriting, "
-        "summarizing, extraction, code edits); draft: a smaller model with the same tokenizer "
-        "(speculative_model) proposes",
-        group="speculative decoding",
-    )
-    speculative_model: str | None = setting(
-        None,
-        "the draft model of speculative_method draft: a bundled name, a Hugging Face folder or a GGUF file "
-        "whose tokenizer is the served model's; its KV cache shares kv_cache_memory",
-        group="speculative decoding",
-        metavar="NAME_OR_PATH",
-        default_text="none",
-    )
-    num_speculative_tokens: int = setting(
-        4, "tokens proposed per sequence and step", group="speculative decoding", metavar="N", ge=1, le=64
-    )
-    speculative_ngram_min: int = setting(
-        1, "ngram: the shortest tail of the text looked up", group="speculative decoding", metavar="N", ge=1
-    )
-    speculative_ngram_max: int = setting(
-        4, "ngram: the longest tail of the text looked up (the longest match wins)",
-        group="speculative decoding", metavar="N", ge=1,
-    )
-    speculative_max_batch_size: int = setting(
-        4,
-        "speculate only while at most this many sequences run: a bigger batch is compute-bound, and the "
-        "rejected tokens' work would cost more than the steps saved",
-        group="speculative decoding",
-        metavar="N",
-        ge=1,
     )
 
     host: str = setting("127.0.0.1", "address to listen on", group="HTTP", metavar="HOST")
@@ -292,8 +224,11 @@ class Settings(BaseSettings):
         default_text="start a cluster here",
     )
     replica_cpus: float = setting(
-        1.0, "CPUs Ray reserves for each replica (a replica goes to a node that has them)",
-        group="scale-out on Ray Serve", metavar="N", ge=0,
+        1.0,
+        "CPUs Ray reserves for each replica (a replica goes to a node that has them)",
+        group="scale-out on Ray Serve",
+        metavar="N",
+        ge=0,
     )
     replica_gpus: float = setting(
         0.0, "GPUs Ray reserves for each replica", group="scale-out on Ray Serve", metavar="N", ge=0
@@ -308,12 +243,19 @@ class Settings(BaseSettings):
         ge=1,
     )
     max_replicas: int | None = setting(
-        None, "autoscaling: most replicas (see min_replicas)", group="scale-out on Ray Serve", metavar="N",
-        default_text="no autoscaling", ge=1,
+        None,
+        "autoscaling: most replicas (see min_replicas)",
+        group="scale-out on Ray Serve",
+        metavar="N",
+        default_text="no autoscaling",
+        ge=1,
     )
     target_ongoing_requests: float = setting(
-        16.0, "autoscaling: requests in flight per replica that Serve aims for",
-        group="scale-out on Ray Serve", metavar="N", gt=0,
+        16.0,
+        "autoscaling: requests in flight per replica that Serve aims for",
+        group="scale-out on Ray Serve",
+        metavar="N",
+        gt=0,
     )
     prefix_routing: bool = setting(
         True,
@@ -323,8 +265,11 @@ class Settings(BaseSettings):
         group="scale-out on Ray Serve",
     )
     ray_app_name: str = setting(
-        "servelm", "name of the Serve application: one per set of replicas on a cluster",
-        group="scale-out on Ray Serve", metavar="NAME", pattern=r"^[A-Za-z0-9_.-]+$",
+        "servelm",
+        "name of the Serve application: one per set of replicas on a cluster",
+        group="scale-out on Ray Serve",
+        metavar="NAME",
+        pattern=r"^[A-Za-z0-9_.-]+$",
     )
 
     @classmethod
@@ -338,11 +283,6 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         init_kwargs = getattr(init_settings, "init_kwargs", {})
         return (init_settings, env_settings, YamlFileSource(settings_cls, init_kwargs))
-
-    @field_validator("kv_cache_memory", mode="before")
-    @classmethod
-    def _parse_memory(cls, value: Any) -> Any:
-        return parse_memory(value)
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
@@ -387,12 +327,10 @@ class Settings(BaseSettings):
                 )
         return self
 
-    @field_validator("ray_address", mode="before")
+    @field_validator("ray_address", "embedding_model", "max_waiting", "queue_timeout", "request_timeout", mode="before")
     @classmethod
-    def _blank_is_none(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
-            return None
-        return value
+    def _none_text(cls, value: Any) -> Any:
+        return none_text(value)
 
     @model_validator(mode="after")
     def _replica_counts(self) -> Settings:
@@ -414,26 +352,11 @@ class Settings(BaseSettings):
         """True when the engines run as replicas on Ray Serve rather than in this process."""
         return any(v is not None for v in (self.replicas, self.ray_address, self.min_replicas, self.max_replicas))
 
-    @field_validator("max_waiting", "queue_timeout", "request_timeout", mode="before")
-    @classmethod
-    def _none_is_unlimited(cls, value: Any) -> Any:
-        # Flags and environment variables carry "none"/"null" as text.
-        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
-            return None
-        return value
-
     @field_validator("max_waiting", "queue_timeout", "request_timeout")
     @classmethod
     def _zero_is_unlimited(cls, value: float | None) -> float | None:
         # 0 would refuse (or time out) every request, so it means "no limit".
         return None if value == 0 else value
-
-    @field_validator("embedding_model", "speculative_model", mode="before")
-    @classmethod
-    def _none_disables(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
-            return None
-        return value
 
     @field_validator("chat_template")
     @classmethod
@@ -441,36 +364,6 @@ class Settings(BaseSettings):
         if value is not None and not value.expanduser().is_file():
             raise ValueError(f"chat template file {str(value)!r} does not exist")
         return value
-
-    @model_validator(mode="after")
-    def _engine_config_valid(self) -> Settings:
-        try:
-            self.engine_config()
-        except ValueError as exc:
-            raise ValueError(f"invalid engine setting: {exc}") from None
-        return self
-
-    def engine_config(self) -> EngineConfig:
-        """The engine's configuration from these settings."""
-        return EngineConfig(
-            dtype=self.dtype,
-            device=self.device,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            kv_cache_memory=self.kv_cache_memory,
-            enable_prefix_caching=self.enable_prefix_caching,
-            seed=self.seed,
-            quantization=self.quantization,
-            cpu_matmul=self.cpu_matmul,
-            speculative_method=self.speculative_method,
-            speculative_model=self.speculative_model,
-            num_speculative_tokens=self.num_speculative_tokens,
-            speculative_ngram_min=self.speculative_ngram_min,
-            speculative_ngram_max=self.speculative_ngram_max,
-            speculative_max_batch_size=self.speculative_max_batch_size,
-        )
 
     def read_chat_template(self) -> str | None:
         """The override chat template's text, or None to use each model's own."""

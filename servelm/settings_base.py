@@ -48,6 +48,13 @@ def parse_memory(value: Any) -> Any:
     return int(text)
 
 
+def none_text(value: Any) -> Any:
+    """Flags and environment variables carry "no value" as text: "", "none" or "null" mean None."""
+    if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
+        return None
+    return value
+
+
 def split_list(value: Any) -> Any:
     # Environment variables and flags carry lists comma-separated.
     if isinstance(value, str):
@@ -129,7 +136,7 @@ GROUPS: dict[str, str] = {
     "engine": "The serving engine.",
     "speculative decoding": "Propose several tokens per step and verify them in one batched model call: faster "
     "one-stream decoding where the output is predictable (greedy output is unchanged, sampled output keeps its "
-    "distribution). Off by default; a request can turn it off with \"speculative_decoding\": false.",
+    'distribution). Off by default; a request can turn it off with "speculative_decoding": false.',
     "HTTP": "The HTTP server, auth and logs.",
     "admission control": "Bound the engine's queue and each request's time; 0 or none/null: no limit.",
     "rate limits": "Per API key (per client address when no keys are set). Off by default.",

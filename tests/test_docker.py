@@ -212,7 +212,17 @@ def test_deploy_doc_shows_the_commands_that_exist():
     help_text = cli.build_parser().parse_args(["serve"]).command_parser.format_help()
     servelm_text = re.sub(r"\b(ray start|serve deploy|kubectl)[^`\n]*", "", doc)  # other tools' flags
     for flag in set(re.findall(r"(--[a-z][a-z-]+)", servelm_text)):
-        if flag in ("--build", "--build-arg", "--profile", "--rm", "--index-url", "--no-deps", "--gpus", "--env", "--write"):
+        if flag in (
+            "--build",
+            "--build-arg",
+            "--profile",
+            "--rm",
+            "--index-url",
+            "--no-deps",
+            "--gpus",
+            "--env",
+            "--write",
+        ):
             continue
         assert flag in help_text, f"docs/DEPLOY.md mentions {flag}, which `servelm serve` does not have"
     for name in ("TORCH_VARIANT", "compose.yaml", "x-request-id", "rate_limits", "--log-format"):

@@ -17,8 +17,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, cast
 
 from starlette.requests import HTTPConnection
 from starlette.routing import BaseRoute
@@ -55,7 +55,7 @@ class RequestRecord:
 
 def request_record(conn: HTTPConnection) -> RequestRecord | None:
     """The record :class:`AccessLogMiddleware` keeps for this request (None outside it)."""
-    return conn.scope.get("state", {}).get(_RECORD)
+    return cast("RequestRecord | None", conn.scope.get("state", {}).get(_RECORD))
 
 
 def response_id(conn: HTTPConnection, new_id: Callable[[], str]) -> str:
@@ -163,7 +163,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         data: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),

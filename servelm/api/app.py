@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from types import ModuleType
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
@@ -65,7 +66,7 @@ def create_app(
     )
     app.state.servelm = AppState.build(ctx)
     install_exception_handlers(app)
-    routers: tuple = (chat, completions, embeddings, models, tokenize, health)
+    routers: tuple[ModuleType, ...] = (chat, completions, embeddings, models, tokenize, health)
     if settings.web:
         routers += (web,)
     for module in routers:
@@ -82,9 +83,12 @@ def create_app(
         limiter = RateLimiter.from_uri(settings.rate_limits, settings.rate_limit_storage, clock=clock, metrics=metrics)
         app.add_middleware(RateLimitMiddleware, limiter=limiter, keyed=bool(settings.api_keys))
     if settings.api_keys:
-        public = {"public_paths": web.PUBLIC_PATHS, "public_prefix": web.PUBLIC_PREFIX} if settings.web else {}
         app.add_middleware(
-            AuthMiddleware, api_keys=settings.api_keys, metrics_require_auth=settings.metrics_require_auth, **public
+            AuthMiddleware,
+            api_keys=settings.api_keys,
+            metrics_require_auth=settings.metrics_require_auth,
+            public_paths=web.PUBLIC_PATHS if settings.web else (),
+            public_prefix=web.PUBLIC_PREFIX if settings.web else None,
         )
     app.add_middleware(CatchAllMiddleware)
     routes = [r for r in app.routes if hasattr(r, "path")]

@@ -67,7 +67,5 @@ class AuthMiddleware:
         else:
             await self.app(scope, receive, send)
             return
-        response = error_response(
-            401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
-        )
+        response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)

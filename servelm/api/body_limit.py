@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servelm.api.errors import error_response
@@ -20,7 +21,7 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_body_bytes = max_body_bytes
 
-    def _too_large(self, size: int | None = None):
+    def _too_large(self, size: int | None = None) -> JSONResponse:
         size_text = f"{size} bytes" if size is not None else "more bytes than that"
         return error_response(
             413,

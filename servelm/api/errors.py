@@ -25,7 +25,8 @@ from servelm.api.request_model import SURROGATE_ERROR
 from servelm.connectors.base import ContextLengthExceeded
 from servelm.engine.context_limit import context_length_error
 from servelm.engine.sampling_params import SamplingParamsError
-from servelm.errors import APIError, default_error_type
+from servelm.errors import APIError as APIError  # re-exported: the API layer's one error type
+from servelm.errors import default_error_type
 
 logger = logging.getLogger("servelm.api")
 
@@ -137,7 +138,7 @@ def with_param_renamed(err: APIError, names: dict[str, str]) -> APIError:
         return err
     message = err.message
     if message.startswith(err.param):
-        message = field + message[len(err.param):]
+        message = field + message[len(err.param) :]
     return APIError(message, status=err.status, type=err.type, param=field, code=err.code, headers=err.headers)
 
 
@@ -212,7 +213,7 @@ def json_value(value: Any) -> str:
 
 
 def _shown(value: Any) -> str:
-    """", got <value>" for a scalar the client sent; nothing for objects, lists or absent values."""
+    """ ", got <value>" for a scalar the client sent; nothing for objects, lists or absent values."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return f", got {json_value(value)}"
     return ""
@@ -223,7 +224,9 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         err = api_error_from(exc)
-        return error_response(err.status, err.message, type=err.type, param=err.param, code=err.code, headers=err.headers)
+        return error_response(
+            err.status, err.message, type=err.type, param=err.param, code=err.code, headers=err.headers
+        )
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

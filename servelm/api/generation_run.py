@@ -9,6 +9,7 @@ and aborts whatever has not finished when it closes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -20,8 +21,8 @@ import anyio
 from servelm.api.admission import QUEUE_RETRY_AFTER_S, Admission
 from servelm.api.errors import APIError, RequestTimedOut, ServerOverloaded, api_error_from, with_param_renamed
 from servelm.api.metrics import Metrics, RequestRecorder
-from servelm.api.protocol import PromptTokensDetails, Usage
 from servelm.api.ratelimit import retry_after
+from servelm.api.responses import PromptTokensDetails, Usage
 from servelm.connectors.base import Connector, ConnectorError
 from servelm.engine.outputs import PositionLogprobs, RequestOutput, ToolCallDelta, merge_tool_calls
 from servelm.engine.sampling_params import SamplingParams
@@ -383,10 +384,8 @@ class GenerationRun:
             for task in self._tasks:
                 task.cancel()
             for task in self._tasks:
-                try:
+                with contextlib.suppress(BaseException):
                     await task
-                except BaseException:
-                    pass
             for iterator in self._iterators:
                 aclose = getattr(iterator, "aclose", None)
                 if aclose is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from servelm.api.protocol import ChatLogprobEntry, ChatLogprobTop, CompletionLogprobs
+from servelm.api.responses import ChatLogprobEntry, ChatLogprobTop, CompletionLogprobs
 from servelm.engine.outputs import PositionLogprobs
 
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens like this.

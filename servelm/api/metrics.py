@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match
@@ -19,9 +19,70 @@ __all__ = ["CONTENT_TYPE_LATEST", "EngineCollector", "Metrics", "MetricsMiddlewa
 
 
 # Histogram buckets as vLLM's dashboards expect them (seconds and token counts).
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 _MODEL = ["model_name"]
@@ -39,13 +100,16 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.http_requests = Counter(
-            "servelm:http_requests", "HTTP requests by route template, method and status code.",
-            ["method", "route", "status"], registry=r,
+            "servelm:http_requests",
+            "HTTP requests by route template, method and status code.",
+            ["method", "route", "status"],
+            registry=r,
         )
         self.http_latency = Histogram(
             "servelm:http_request_duration_seconds",
             "Time from request to the end of the response body (streams included).",
-            ["method", "route"], registry=r,
+            ["method", "route"],
+            registry=r,
         )
         self.prompt_tokens = Counter("servelm:prompt_tokens", "Prompt tokens of admitted requests.", _MODEL, registry=r)
         self.generation_tokens = Counter("servelm:generation_tokens", "Tokens generated.", _MODEL, registry=r)
@@ -53,41 +117,62 @@ class Metrics:
             "servelm:request_success",
             "Engine requests ended, by finish reason (stop, length; abort when the client left or the "
             "request timed out; error when the engine failed it).",
-            ["model_name", "finished_reason"], registry=r,
+            ["model_name", "finished_reason"],
+            registry=r,
         )
         self.ttft = Histogram(
-            "servelm:time_to_first_token_seconds", "From the API receiving a request to its first token.",
-            _MODEL, buckets=_TTFT_BUCKETS, registry=r,
+            "servelm:time_to_first_token_seconds",
+            "From the API receiving a request to its first token.",
+            _MODEL,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "servelm:inter_token_latency_seconds", "Time between a request's consecutive outputs.",
-            _MODEL, buckets=_ITL_BUCKETS, registry=r,
+            "servelm:inter_token_latency_seconds",
+            "Time between a request's consecutive outputs.",
+            _MODEL,
+            buckets=_ITL_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "servelm:e2e_request_latency_seconds", "From the API receiving a request to its last token.",
-            _MODEL, buckets=_REQUEST_BUCKETS, registry=r,
+            "servelm:e2e_request_latency_seconds",
+            "From the API receiving a request to its last token.",
+            _MODEL,
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
         )
         self.queue_time = Histogram(
-            "servelm:request_queue_time_seconds", "Time a request waited in the engine before it was first scheduled.",
-            _MODEL, buckets=_REQUEST_BUCKETS, registry=r,
+            "servelm:request_queue_time_seconds",
+            "Time a request waited in the engine before it was first scheduled.",
+            _MODEL,
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
         )
         self.request_prompt_tokens = Histogram(
-            "servelm:request_prompt_tokens", "Prompt tokens per finished request.", _MODEL,
-            buckets=_TOKEN_BUCKETS, registry=r,
+            "servelm:request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            _MODEL,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
         )
         self.request_generation_tokens = Histogram(
-            "servelm:request_generation_tokens", "Generated tokens per finished request.", _MODEL,
-            buckets=_TOKEN_BUCKETS, registry=r,
+            "servelm:request_generation_tokens",
+            "Generated tokens per finished request.",
+            _MODEL,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
         )
         self.rate_limit_rejections = Counter(
             "servelm:rate_limit_rejections",
             "Requests refused with 429 by the rate limiter, by the limit they hit (requests or tokens).",
-            ["kind"], registry=r,
+            ["kind"],
+            registry=r,
         )
         self.admission_rejections = Counter(
             "servelm:admission_rejections",
             "Requests refused by admission control: 429 queue_full or queue_timeout, 503 server_shutting_down.",
-            ["reason"], registry=r,
+            ["reason"],
+            registry=r,
         )
         started = time.monotonic()
         self.uptime = Gauge("servelm:uptime_seconds", "Seconds since the server's app was built.", registry=r)
@@ -116,44 +201,61 @@ class EngineCollector(Collector):
     def __init__(self) -> None:
         self.stats: list[EngineStats] = []
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []  # families are only known at collect time; keeps registration cheap
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         families = {
             "num_requests_running": GaugeMetricFamily(
-                "servelm:num_requests_running", "Sequences running in the engine (holding KV blocks).", labels=_MODEL),
+                "servelm:num_requests_running", "Sequences running in the engine (holding KV blocks).", labels=_MODEL
+            ),
             "num_requests_waiting": GaugeMetricFamily(
-                "servelm:num_requests_waiting", "Sequences waiting to be scheduled (new or preempted).", labels=_MODEL),
+                "servelm:num_requests_waiting", "Sequences waiting to be scheduled (new or preempted).", labels=_MODEL
+            ),
             "kv_cache_usage_perc": GaugeMetricFamily(
                 "servelm:kv_cache_usage_perc",
                 "Fraction of KV cache blocks held by sequences (1 = full); free prefix-cached blocks do not count.",
-                labels=_MODEL),
+                labels=_MODEL,
+            ),
             "prefix_cache_queries": CounterMetricFamily(
-                "servelm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=_MODEL),
+                "servelm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=_MODEL
+            ),
             "prefix_cache_hits": CounterMetricFamily(
-                "servelm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=_MODEL),
+                "servelm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=_MODEL
+            ),
             "num_preemptions": CounterMetricFamily(
-                "servelm:num_preemptions", "Sequences preempted (their KV blocks freed, recomputed later).",
-                labels=_MODEL),
+                "servelm:num_preemptions",
+                "Sequences preempted (their KV blocks freed, recomputed later).",
+                labels=_MODEL,
+            ),
             "spec_decode_num_drafts": CounterMetricFamily(
-                "servelm:spec_decode_num_drafts", "Speculative proposals verified (one per sequence and step).",
-                labels=_MODEL),
+                "servelm:spec_decode_num_drafts",
+                "Speculative proposals verified (one per sequence and step).",
+                labels=_MODEL,
+            ),
             "spec_decode_num_draft_tokens": CounterMetricFamily(
-                "servelm:spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding and verified.",
-                labels=_MODEL),
+                "servelm:spec_decode_num_draft_tokens",
+                "Tokens proposed by speculative decoding and verified.",
+                labels=_MODEL,
+            ),
             "spec_decode_num_accepted_tokens": CounterMetricFamily(
                 "servelm:spec_decode_num_accepted_tokens",
                 "Of the proposed tokens, those the target model accepted (acceptance rate: accepted / draft tokens).",
-                labels=_MODEL),
+                labels=_MODEL,
+            ),
             "model_info": GaugeMetricFamily(
-                "servelm:model_info", "Always 1; its labels say how the model runs (dtype, device).",
-                labels=["model_name", "dtype", "device"]),
+                "servelm:model_info",
+                "Always 1; its labels say how the model runs (dtype, device).",
+                labels=["model_name", "dtype", "device"],
+            ),
             "kv_cache_size_tokens": GaugeMetricFamily(
-                "servelm:kv_cache_size_tokens", "Tokens the KV cache holds in all (blocks times block size).",
-                labels=_MODEL),
+                "servelm:kv_cache_size_tokens",
+                "Tokens the KV cache holds in all (blocks times block size).",
+                labels=_MODEL,
+            ),
             "kv_cache_size_bytes": GaugeMetricFamily(
-                "servelm:kv_cache_size_bytes", "Memory the KV cache takes.", labels=_MODEL),
+                "servelm:kv_cache_size_bytes", "Memory the KV cache takes.", labels=_MODEL
+            ),
         }
         for s in self.stats:
             # A replica's own figures carry a `replica` label; the series
@@ -234,7 +336,7 @@ def route_label(scope: Scope, routes: Sequence[BaseRoute]) -> str:
     """The route template a request was for (``/v1/models/{model_id:path}``), or ``unmatched``."""
     route = scope.get("route")
     if route is not None and hasattr(route, "path"):
-        return route.path
+        return str(route.path)
     # Requests stopped before routing (401, 413, 429): find the route they were
     # for, so labels stay bounded by the route table, never the raw path.
     for candidate in routes:

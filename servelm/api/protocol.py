@@ -1,10 +1,10 @@
-"""OpenAI-compatible request and response schemas (pydantic v2).
+"""OpenAI-compatible request schemas (pydantic v2); the responses are in :mod:`servelm.api.responses`.
 
 Requests forbid unknown fields, so a typo or an unsupported parameter is a
 400 naming it rather than something silently ignored. Documented OpenAI
 fields servelm cannot honour are declared (so the OpenAPI schema shows
 them) and listed in each request's ``UNSUPPORTED`` table: a value other than
-the harmless one is rejected by name. Responses mirror OpenAI's shapes.
+the harmless one is rejected by name.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from servelm.api.request_model import RequestModel, TokenIds, check_token_id_lists
 from servelm.api.structured import ResponseFormat, StructuredOutputsRequest
-from servelm.api.tool_protocol import DeltaToolCall, ToolCall, ToolCallParam, ToolChoice, ToolDefinition
+from servelm.api.tool_protocol import ToolCallParam, ToolChoice, ToolDefinition
 
 
 def _absent(value: Any) -> bool:
@@ -166,106 +166,6 @@ class ChatCompletionRequest(SamplingFields):
     }
 
 
-class ChatLogprobTop(BaseModel):
-    """One alternative token at a position (chat logprobs format)."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatLogprobEntry(ChatLogprobTop):
-    """The chosen token at a position, with its top alternatives."""
-
-    top_logprobs: list[ChatLogprobTop]
-
-
-class ChatLogprobs(BaseModel):
-    """A chat choice's logprobs: one entry per generated token."""
-
-    content: list[ChatLogprobEntry] | None
-    refusal: list[ChatLogprobEntry] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    """The assistant message of a chat choice."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    refusal: str | None = None
-    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda v: v is None)
-
-
-class ChatChoice(BaseModel):
-    """One choice of a chat completion."""
-
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None
-
-
-class PromptTokensDetails(BaseModel):
-    """Prompt tokens served from the prefix cache."""
-
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    """Token usage of a request."""
-
-    prompt_tokens: int
-    completion_tokens: int = 0
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    """A (non-streamed) chat completion."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    """What a stream chunk adds to a chat choice."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    """One choice's delta in a stream chunk."""
-
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-    @field_serializer("delta")
-    def _compact_delta(self, delta: ChatDelta) -> dict[str, Any]:
-        # OpenAI omits absent delta keys: the last chunk's delta is {}.
-        return delta.model_dump(exclude_none=True)
-
-
-class ChatCompletionChunk(BaseModel):
-    """One streamed chat event (``chat.completion.chunk``)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
 # --- text completions -------------------------------------------------------
 
 
@@ -286,36 +186,6 @@ class CompletionRequest(SamplingFields):
     _token_ids = field_validator("prompt", mode="before")(check_token_id_lists)
 
 
-class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per token."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    """One choice of a text completion (or its piece, when streamed)."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None
-
-
-class CompletionResponse(BaseModel):
-    """A text completion, or one streamed event of one."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
 # --- embeddings -------------------------------------------------------------
 
 
@@ -331,52 +201,6 @@ class EmbeddingRequest(OpenAIRequest):
     user: str | None = None
 
     _token_ids = field_validator("input", mode="before")(check_token_id_lists)
-
-
-class EmbeddingData(BaseModel):
-    """One input's embedding: floats, or base64 little-endian float32."""
-
-    object: Literal["embedding"] = "embedding"
-    embedding: list[float] | str
-    index: int
-
-
-class EmbeddingUsage(BaseModel):
-    """Token usage of an embeddings request."""
-
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingResponse(BaseModel):
-    """The embeddings of a request's inputs."""
-
-    object: Literal["list"] = "list"
-    data: list[EmbeddingData]
-    model: str
-    usage: EmbeddingUsage
-
-
-# --- models -----------------------------------------------------------------
-
-
-class ModelObject(BaseModel):
-    """A served model, with its context length (``max_model_len``, as vLLM)."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    """The served models."""
-
-    object: Literal["list"] = "list"
-    data: list[ModelObject]
 
 
 # --- tokenize / detokenize (vLLM) -------------------------------------------
@@ -396,40 +220,8 @@ class TokenizeRequest(OpenAIRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeResponse(BaseModel):
-    """Token ids, their count and the model's context length."""
-
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
 class DetokenizeRequest(OpenAIRequest):
     """POST /detokenize."""
 
     model: str | None = Field(None, description="Default: the first chat model.")
     tokens: TokenIds
-
-
-class DetokenizeResponse(BaseModel):
-    """The text of the token ids."""
-
-    prompt: str
-
-
-# --- misc -------------------------------------------------------------------
-
-
-class ErrorDetail(BaseModel):
-    """The fields of an error."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error envelope."""
-
-    error: ErrorDetail

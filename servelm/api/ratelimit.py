@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 from limits import RateLimitItem, RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage, Storage
@@ -264,7 +265,9 @@ class RateLimitTicket:
             self.reserved = tokens
             self.token_window_end = await self.limiter.window_end(item, self.client)
         except StorageError:
-            logger.warning("rate-limit storage failed; admitting %s without a token reservation", self.client, exc_info=True)
+            logger.warning(
+                "rate-limit storage failed; admitting %s without a token reservation", self.client, exc_info=True
+            )
 
     async def settle(self, used: int) -> None:
         """Correct the reservation to the ``used`` tokens. Runs once; later calls do nothing.
@@ -280,7 +283,9 @@ class RateLimitTicket:
             if used > self.reserved:
                 await self.limiter.adjust(self.quota.tokens, self.client, used - self.reserved)
             elif used < self.reserved:
-                await self.limiter.give_back(self.quota.tokens, self.client, self.reserved - used, self.token_window_end)
+                await self.limiter.give_back(
+                    self.quota.tokens, self.client, self.reserved - used, self.token_window_end
+                )
         except StorageError:
             logger.warning("rate-limit storage failed; could not settle the tokens of %s", self.client, exc_info=True)
 
@@ -319,7 +324,7 @@ class RateLimitTicket:
 
 def rate_limit_ticket(conn: HTTPConnection) -> RateLimitTicket | None:
     """The ticket :class:`RateLimitMiddleware` gave this request (None: not limited)."""
-    return conn.scope.get("state", {}).get(_TICKET)
+    return cast("RateLimitTicket | None", conn.scope.get("state", {}).get(_TICKET))
 
 
 def client_identity(scope: Scope, keyed: bool) -> str:
@@ -327,7 +332,7 @@ def client_identity(scope: Scope, keyed: bool) -> str:
     if keyed:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                return value.decode("latin-1").partition(" ")[2].strip()
+                return str(value.decode("latin-1").partition(" ")[2].strip())
         return ""
     client = scope.get("client")
     return client[0] if client else "unknown"

@@ -203,11 +203,15 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             d["name"] = m.name
         if m.tool_calls:
             if m.role != "assistant":
-                raise APIError("Only assistant messages have tool_calls.", status=400, param=f"messages[{i}].tool_calls")
+                raise APIError(
+                    "Only assistant messages have tool_calls.", status=400, param=f"messages[{i}].tool_calls"
+                )
             d["tool_calls"] = [call.model_dump() for call in m.tool_calls]
         if m.role == "tool" and m.tool_call_id is None:
             raise APIError(
-                f"Missing required parameter: 'messages[{i}].tool_call_id'.", status=400, param=f"messages[{i}].tool_call_id"
+                f"Missing required parameter: 'messages[{i}].tool_call_id'.",
+                status=400,
+                param=f"messages[{i}].tool_call_id",
             )
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
@@ -259,8 +263,15 @@ def sampling_params(
         "structured_outputs": structured_outputs,
         "speculative": req.speculative_decoding,
     }
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value

@@ -12,11 +12,11 @@ from servelm.api.access_log import response_id
 from servelm.api.errors import APIError, context_length_exceeded
 from servelm.api.generation_run import ChoiceDelta, ChoiceResult, GenerationRun
 from servelm.api.logprobs import chat_logprobs
-from servelm.api.protocol import (
+from servelm.api.protocol import ChatCompletionRequest
+from servelm.api.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
@@ -60,19 +60,28 @@ class ChatFormatter:
         chunks: list[BaseModel] = []
         logprobs = ChatLogprobs(content=chat_logprobs(delta.logprobs or [])) if self.logprobs else None
         if delta.text or (logprobs is not None and logprobs.content):
-            chunks.append(self._chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=logprobs)))
+            chunks.append(
+                self._chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=logprobs))
+            )
         finish_reason = delta.finish_reason
         if self.tools is not None:
             for piece in self.tools.stream_pieces(delta.index, delta.tool_calls):
                 chunks.append(self._chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(tool_calls=[piece]))))
             finish_reason = self.tools.finish_reason(delta.index, finish_reason)
         if finish_reason is not None:
-            chunks.append(self._chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(), finish_reason=finish_reason)))
+            chunks.append(
+                self._chunk(ChatChunkChoice(index=delta.index, delta=ChatDelta(), finish_reason=finish_reason))
+            )
         return chunks
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint, choices=[], usage=usage
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=self.fingerprint,
+            choices=[],
+            usage=usage,
         )
 
     def response(self, choices: list[ChoiceResult], run: GenerationRun) -> BaseModel:
@@ -135,7 +144,13 @@ class ServingChat(GenerationServing):
 
         request_id = f"chatcmpl-{response_id(raw_request, self.ctx.new_id)}"
         run = GenerationRun(
-            self.connector, card.id, request_id, [prompt_ids], params, self.ctx.metrics, max_model_len=card.max_model_len,
+            self.connector,
+            card.id,
+            request_id,
+            [prompt_ids],
+            params,
+            self.ctx.metrics,
+            max_model_len=card.max_model_len,
             param_names=structured.param_names,
         )
         stream = bool(req.stream)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -12,13 +13,8 @@ from servelm.api.access_log import response_id
 from servelm.api.errors import APIError, context_length_exceeded
 from servelm.api.generation_run import ChoiceDelta, ChoiceResult, GenerationRun
 from servelm.api.logprobs import legacy_logprobs
-from servelm.api.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    Usage,
-)
+from servelm.api.protocol import CompletionRequest
+from servelm.api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from servelm.api.serving_base import check_supported, sampling_params
 from servelm.api.serving_generation import GenerationServing
 from servelm.api.structured import structured_request
@@ -44,7 +40,12 @@ class CompletionFormatter:
     _offsets: dict[int, int] = field(default_factory=dict)  # streaming: next text_offset per choice
 
     def _piece(
-        self, run: GenerationRun, prompt_index: int, text: str, entries: list[PositionLogprobs] | None, first: bool,
+        self,
+        run: GenerationRun,
+        prompt_index: int,
+        text: str,
+        entries: list[PositionLogprobs] | None,
+        first: bool,
         offset: int,
     ) -> tuple[str, CompletionLogprobs | None]:
         lp_entries: list[PositionLogprobs | None] = []
@@ -60,8 +61,12 @@ class CompletionFormatter:
 
     def _object(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(
-            id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint,
-            choices=choices, usage=usage,
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=self.fingerprint,
+            choices=choices,
+            usage=usage,
         )
 
     def stream_prologue(self) -> list[BaseModel]:
@@ -118,7 +123,9 @@ class ServingCompletion(GenerationServing):
             # (and its error message) is the same for text and token prompts.
             ids = p if isinstance(p, list) else await self.connector.tokenize(card.id, p, add_special_tokens=True)
             if not ids:
-                raise APIError("The prompt is empty.", status=400, param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
+                raise APIError(
+                    "The prompt is empty.", status=400, param="prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                )
             error = context_length_exceeded(card.max_model_len, len(ids), req.max_tokens, "prompt")
             if error is not None:
                 raise error
@@ -127,15 +134,19 @@ class ServingCompletion(GenerationServing):
         echo_texts: list[str] | None = None
         first_token_texts: list[str] = []
         if req.echo:
-            echo_texts = [
-                p if isinstance(p, str) else await self.connector.detokenize(card.id, p) for p in prompts
-            ]
+            echo_texts = [p if isinstance(p, str) else await self.connector.detokenize(card.id, p) for p in prompts]
             if with_prompt_logprobs:
                 first_token_texts = [await self.connector.detokenize(card.id, ids[:1]) for ids in prompt_ids]
 
         request_id = f"cmpl-{response_id(raw_request, self.ctx.new_id)}"
         run = GenerationRun(
-            self.connector, card.id, request_id, prompt_ids, params, self.ctx.metrics, max_model_len=card.max_model_len,
+            self.connector,
+            card.id,
+            request_id,
+            prompt_ids,
+            params,
+            self.ctx.metrics,
+            max_model_len=card.max_model_len,
             param_names=structured.param_names,
         )
         formatter = CompletionFormatter(
@@ -158,5 +169,5 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     if not prompt:
         raise APIError("The prompt is empty.", status=400, param="prompt")
     if isinstance(prompt[0], int):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
+        return [cast(list[int], list(prompt))]
+    return cast("list[str | list[int]]", list(prompt))

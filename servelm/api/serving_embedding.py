@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import base64
 import struct
+from typing import cast
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from servelm.api.access_log import request_record
 from servelm.api.errors import APIError, context_length_exceeded
-from servelm.api.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from servelm.api.protocol import EmbeddingRequest
 from servelm.api.ratelimit import rate_limit_ticket
+from servelm.api.responses import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from servelm.api.serving_base import OpenAIServing, cancel_on_disconnect, check_supported
 
 # OpenAI's own limit on inputs per request.
@@ -34,9 +36,9 @@ class ServingEmbedding(OpenAIServing):
         if isinstance(req.input, str):
             inputs = [req.input]
         elif req.input and isinstance(req.input[0], int):
-            inputs = [list(req.input)]  # type: ignore[arg-type]
+            inputs = [cast(list[int], list(req.input))]
         else:
-            inputs = list(req.input)  # type: ignore[arg-type]
+            inputs = cast("list[str] | list[list[int]]", list(req.input))
         if not inputs:
             raise APIError("input must not be empty.", status=400, param="input")
         if len(inputs) > MAX_INPUTS:

@@ -15,8 +15,8 @@ from starlette.responses import Response
 from servelm.api.access_log import request_record
 from servelm.api.errors import APIError, api_error_from, error_body
 from servelm.api.generation_run import ChoiceDelta, ChoiceResult, GenerationRun
-from servelm.api.protocol import Usage
 from servelm.api.ratelimit import rate_limit_ticket
+from servelm.api.responses import Usage
 from servelm.api.serving_base import OpenAIServing, cancel_on_disconnect
 from servelm.api.sse import DONE_EVENT, EventStreamResponse, sse_event
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from servelm.api.errors import APIError
-from servelm.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from servelm.api.protocol import DetokenizeRequest, TokenizeRequest
+from servelm.api.responses import DetokenizeResponse, TokenizeResponse
 from servelm.api.serving_base import OpenAIServing
 from servelm.api.tools import tool_definitions, tool_format
 
@@ -20,8 +21,12 @@ class ServingTokenize(OpenAIServing):
         if req.messages is not None:
             card = await self.model_card(req.model, "generate")
             text = await self.render_chat(
-                card.id, req.messages, req.add_generation_prompt, req.chat_template_kwargs,
-                tool_definitions(req.tools), tool_format(self.ctx.tool_call_parser, self.ctx.chat_template, card),
+                card.id,
+                req.messages,
+                req.add_generation_prompt,
+                req.chat_template_kwargs,
+                tool_definitions(req.tools),
+                tool_format(self.ctx.tool_call_parser, self.ctx.chat_template, card),
             )
             add_special = bool(req.add_special_tokens)  # default False: the template has them
         else:

@@ -52,7 +52,6 @@ class EventStreamResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as tg:
-
                 complete = False  # the last body message has been handed to the server
 
                 async def tracking_send(message: Message) -> None:

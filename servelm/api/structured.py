@@ -49,7 +49,9 @@ class StructuredOutputsRequest(RequestModel):
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema.")
     regex: str | None = Field(None, description="A regular expression the whole output matches.")
     choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
-    grammar: str | None = Field(None, description="An EBNF grammar (xgrammar's dialect); the output matches its root rule.")
+    grammar: str | None = Field(
+        None, description="An EBNF grammar (xgrammar's dialect); the output matches its root rule."
+    )
     json_object: bool | None = Field(None, description="true: any JSON object.")
     structural_tag: str | None = Field(None, description="An xgrammar structural tag, as JSON text.")
 
@@ -89,9 +91,7 @@ def structured_request(req: Any) -> StructuredRequest:
     try:
         params = StructuredOutputsParams(**{kind: value})
     except StructuredOutputsError as exc:
-        raise with_param_renamed(
-            APIError(str(exc), status=400, param=exc.param, code=exc.code), names
-        ) from None
+        raise with_param_renamed(APIError(str(exc), status=400, param=exc.param, code=exc.code), names) from None
     return StructuredRequest(params, names)
 
 
@@ -105,13 +105,15 @@ def _sources(req: Any) -> list[tuple[str, str, Any]]:
         spec = response_format.json_schema
         if spec is None:
             raise APIError(
-                'response_format of type "json_schema" needs \'json_schema\'.',
-                status=400, param="response_format.json_schema",
+                "response_format of type \"json_schema\" needs 'json_schema'.",
+                status=400,
+                param="response_format.json_schema",
             )
         if spec.schema_ is None:
             raise APIError(
                 "Missing required parameter: 'response_format.json_schema.schema'.",
-                status=400, param="response_format.json_schema.schema",
+                status=400,
+                param="response_format.json_schema.schema",
             )
         sources.append(("response_format.json_schema.schema", "json", spec.schema_))
     so: StructuredOutputsRequest | None = req.structured_outputs
@@ -124,7 +126,9 @@ def _sources(req: Any) -> list[tuple[str, str, Any]]:
         if not kinds:
             raise APIError(
                 "structured_outputs needs one of json, regex, choice, grammar, json_object, structural_tag.",
-                status=400, param="structured_outputs", code=StructuredOutputsError.code,
+                status=400,
+                param="structured_outputs",
+                code=StructuredOutputsError.code,
             )
         sources += [(f"structured_outputs.{kind}", kind, value) for kind, value in kinds]
     for name, kind in GUIDED_FIELDS.items():

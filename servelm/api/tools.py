@@ -114,8 +114,9 @@ def plan_tools(req: ChatCompletionRequest, fmt: str) -> ToolPlan:
         problem = unenforced_keyword(schema)
         if problem is not None:
             where = f"tools[{names.index(name)}].function.parameters"
-            raise APIError(f"'{where}' {problem} in a forced call.", status=400, param=where,
-                           code=StructuredOutputsError.code)
+            raise APIError(
+                f"'{where}' {problem} in a forced call.", status=400, param=where, code=StructuredOutputsError.code
+            )
     tag = get_format(fmt).structural_tag(forced, one_call=one_call)
     return ToolPlan(tools=definitions, parser=fmt, structural_tag=tag, named=named, one_call=one_call)
 
@@ -151,12 +152,10 @@ def _parameters(schema: dict[str, Any] | None, where: str) -> dict[str, Any]:
         validator_for(schema).check_schema(schema)
     except SchemaError as exc:
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path)
-        raise APIError(
-            f"Invalid JSON Schema in '{where}{path}': {exc.message}.", status=400, param=where
-        ) from None
+        raise APIError(f"Invalid JSON Schema in '{where}{path}': {exc.message}.", status=400, param=where) from None
     if schema.get("type", "object") != "object":
         raise APIError(
-            f"'{where}' must describe an object (\"type\": \"object\"), not {schema['type']!r}.",
+            f'\'{where}\' must describe an object ("type": "object"), not {schema["type"]!r}.',
             status=400,
             param=where,
         )
@@ -212,10 +211,14 @@ class ToolCallReplies:
         out = []
         for piece in self._kept(pieces):
             if piece.name is not None:
-                out.append(DeltaToolCall(
-                    index=piece.index, id=self._id(choice, piece.index), type="function",
-                    function=DeltaFunctionCall(name=piece.name, arguments=""),
-                ))
+                out.append(
+                    DeltaToolCall(
+                        index=piece.index,
+                        id=self._id(choice, piece.index),
+                        type="function",
+                        function=DeltaFunctionCall(name=piece.name, arguments=""),
+                    )
+                )
             if piece.arguments:
                 out.append(DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments)))
         return out

@@ -78,55 +78,142 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.set_defaults(command_parser=p)
 
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL, with or without /v1 (default: %(default)s)")
+    g.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="server URL, with or without /v1 (default: %(default)s)"
+    )
     g.add_argument("--model", default=None, help="model to send as 'model' (default: the first of GET /v1/models)")
-    g.add_argument("--api-key", default=None, help="API key (default: the first of SERVELM_API_KEYS, else OPENAI_API_KEY)")
-    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
-                   help="/v1/completions (prompt sent as token ids: exact lengths) or /v1/chat/completions (default: %(default)s)")
-    g.add_argument("--timeout", type=_positive_float, default=600.0, metavar="SECONDS",
-                   help="a request not finished after this long fails (default: %(default)s)")
+    g.add_argument(
+        "--api-key", default=None, help="API key (default: the first of SERVELM_API_KEYS, else OPENAI_API_KEY)"
+    )
+    g.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        default="completions",
+        help="/v1/completions (prompt sent as token ids: exact lengths) or /v1/chat/completions (default: %(default)s)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a request not finished after this long fails (default: %(default)s)",
+    )
 
     g = p.add_argument_group("prompts")
-    g.add_argument("--num-prompts", type=_positive_int, default=None, metavar="N",
-                   help=f"requests per level (default: {DEFAULT_NUM_PROMPTS}; with --prompt-file: the file's prompts)")
-    g.add_argument("--input-len", type=_positive_int, default=None, metavar="TOKENS",
-                   help=f"synthetic prompt length in tokens (default: {DEFAULT_INPUT_LEN})")
-    g.add_argument("--prompt-file", default=None, metavar="FILE",
-                   help="prompts to send instead of synthetic ones: one per line, or JSON lines with a \"prompt\"")
-    g.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
-                   help="build synthetic prompts with this local tokenizer (HF folder, GGUF file or bundled name; "
-                   "imports transformers) instead of the server's /tokenize; with neither, prompts are random words")
+    g.add_argument(
+        "--num-prompts",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=f"requests per level (default: {DEFAULT_NUM_PROMPTS}; with --prompt-file: the file's prompts)",
+    )
+    g.add_argument(
+        "--input-len",
+        type=_positive_int,
+        default=None,
+        metavar="TOKENS",
+        help=f"synthetic prompt length in tokens (default: {DEFAULT_INPUT_LEN})",
+    )
+    g.add_argument(
+        "--prompt-file",
+        default=None,
+        metavar="FILE",
+        help='prompts to send instead of synthetic ones: one per line, or JSON lines with a "prompt"',
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="build synthetic prompts with this local tokenizer (HF folder, GGUF file or bundled name; "
+        "imports transformers) instead of the server's /tokenize; with neither, prompts are random words",
+    )
     out = g.add_mutually_exclusive_group()
-    out.add_argument("--output-len", type=_positive_int, default=128, metavar="TOKENS",
-                     help="output tokens per request, sent as max_tokens (default: %(default)s)")
-    out.add_argument("--output-len-range", default=None, metavar="LO:HI",
-                     help="output tokens per request drawn uniformly from LO..HI (inclusive)")
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="send ignore_eos so every request generates its full length (vLLM, servelm) (default: on)")
-    g.add_argument("--min-tokens", action=argparse.BooleanOptionalAction, default=False,
-                   help="also send min_tokens = max_tokens, for servers that take it but not ignore_eos (default: off)")
+    out.add_argument(
+        "--output-len",
+        type=_positive_int,
+        default=128,
+        metavar="TOKENS",
+        help="output tokens per request, sent as max_tokens (default: %(default)s)",
+    )
+    out.add_argument(
+        "--output-len-range",
+        default=None,
+        metavar="LO:HI",
+        help="output tokens per request drawn uniformly from LO..HI (inclusive)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos so every request generates its full length (vLLM, servelm) (default: on)",
+    )
+    g.add_argument(
+        "--min-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also send min_tokens = max_tokens, for servers that take it but not ignore_eos (default: off)",
+    )
     g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
-    g.add_argument("--extra-body", default=None, metavar="JSON",
-                   help="a JSON object merged into every request's body, e.g. '{\"response_format\": {...}}' "
-                   "(default: none)")
-    g.add_argument("--seed", type=int, default=0, help="seed of prompts, output lengths and arrivals (default: %(default)s)")
+    g.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help="a JSON object merged into every request's body, e.g. '{\"response_format\": {...}}' (default: none)",
+    )
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of prompts, output lengths and arrivals (default: %(default)s)"
+    )
 
     g = p.add_argument_group("load", "Each concurrency (and each rate) is one level; levels run in turn.")
-    g.add_argument("--concurrency", type=_comma_list(_positive_int), default=None, metavar="N[,N...]",
-                   help="requests in flight: alone, a closed loop; with --request-rate, a cap (default: 1)")
-    g.add_argument("--request-rate", type=_comma_list(_positive_float), default=None, metavar="R[,R...]",
-                   help="Poisson arrivals at R requests/s ('inf': all at once) (default: off)")
-    g.add_argument("--warmup", type=_non_negative_int, default=0, metavar="N",
-                   help="requests sent before the first level and not counted (default: %(default)s)")
+    g.add_argument(
+        "--concurrency",
+        type=_comma_list(_positive_int),
+        default=None,
+        metavar="N[,N...]",
+        help="requests in flight: alone, a closed loop; with --request-rate, a cap (default: 1)",
+    )
+    g.add_argument(
+        "--request-rate",
+        type=_comma_list(_positive_float),
+        default=None,
+        metavar="R[,R...]",
+        help="Poisson arrivals at R requests/s ('inf': all at once) (default: off)",
+    )
+    g.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="requests sent before the first level and not counted (default: %(default)s)",
+    )
 
     g = p.add_argument_group("results")
-    g.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
-                   help="SLOs for goodput (requests/s meeting all), e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)")
-    g.add_argument("--result-json", default=None, metavar="FILE", help="write every metric of every level, and the parameters, as JSON")
+    g.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="METRIC:MS",
+        help="SLOs for goodput (requests/s meeting all), e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)",
+    )
+    g.add_argument(
+        "--result-json",
+        default=None,
+        metavar="FILE",
+        help="write every metric of every level, and the parameters, as JSON",
+    )
     g.add_argument("--save-detailed", action="store_true", help="also put each request's timings in --result-json")
-    g.add_argument("--plot", default=None, metavar="FILE.png", help="plot latency against output throughput across levels (needs matplotlib)")
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar on stderr (default: when stderr is a terminal)")
+    g.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="plot latency against output throughput across levels (needs matplotlib)",
+    )
+    g.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
     return bench
 
 

@@ -86,7 +86,9 @@ def _http_error(response: httpx.Response) -> str:
     return _short(f"HTTP {response.status_code}: {detail if detail is not None else response.text}")
 
 
-async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], result: RequestResult, chat: bool) -> None:
+async def _stream(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], result: RequestResult, chat: bool
+) -> None:
     """Send and read the stream into ``result``; raises on transport errors."""
     start = time.perf_counter()
     result.started = start
@@ -158,7 +160,7 @@ async def send_request(
     body = request_body(endpoint, model, req, options)
     try:
         await asyncio.wait_for(_stream(client, ENDPOINT_PATHS[endpoint], body, result, endpoint == "chat"), timeout)
-    except (asyncio.TimeoutError, httpx.TimeoutException):
+    except (TimeoutError, httpx.TimeoutException):
         result.error = f"timeout after {timeout:g}s" if timeout else "timeout"
     except httpx.HTTPError as exc:
         result.error = _short(f"connection error: {type(exc).__name__}: {exc}")

@@ -98,7 +98,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if not isinstance(extra_body, dict):
             raise ValueError("--extra-body: must be a JSON object")
     rates: list[float | None] = list(args.request_rate) if args.request_rate else [None]
-    concurrencies: list[int | None] = list(args.concurrency) if args.concurrency else [1 if args.request_rate is None else None]
+    concurrencies: list[int | None] = (
+        list(args.concurrency) if args.concurrency else [1 if args.request_rate is None else None]
+    )
     levels = [Level(c, r) for r in rates for c in concurrencies]
     num_prompts = args.num_prompts or (len(prompts) if prompts is not None else DEFAULT_NUM_PROMPTS)
     base_url = server_base_url(args.base_url)

@@ -111,7 +111,9 @@ class LocalTokenizer:
         return self.tokenizer.decode(ids)
 
 
-def output_lengths(n: int, rng: random.Random, fixed: int | None = None, span: tuple[int, int] | None = None) -> list[int]:
+def output_lengths(
+    n: int, rng: random.Random, fixed: int | None = None, span: tuple[int, int] | None = None
+) -> list[int]:
     """``n`` output lengths: all ``fixed``, or uniform over the inclusive range ``span``."""
     if span is not None:
         low, high = span
@@ -146,7 +148,7 @@ def load_prompt_file(path: str | Path) -> list[str]:
                 record = None
             if isinstance(record, dict):
                 if not isinstance(record.get("prompt"), str):
-                    raise ValueError(f"{path}:{number}: a JSON line needs a \"prompt\" string")
+                    raise ValueError(f'{path}:{number}: a JSON line needs a "prompt" string')
                 prompts.append(record["prompt"])
                 continue
         prompts.append(line)

@@ -83,7 +83,9 @@ def parse_slos(items: Sequence[str]) -> dict[str, float]:
         name, sep, value = item.partition(":")
         name = name.strip().lower()
         if not sep or name not in SLO_METRICS:
-            raise ValueError(f"bad SLO {item!r}: expected METRIC:MILLISECONDS with METRIC one of {', '.join(SLO_METRICS)}")
+            raise ValueError(
+                f"bad SLO {item!r}: expected METRIC:MILLISECONDS with METRIC one of {', '.join(SLO_METRICS)}"
+            )
         try:
             ms = float(value)
         except ValueError:
@@ -108,9 +110,7 @@ def meets_slos(result: RequestResult, slos: dict[str, float]) -> bool:
     if "e2el" in slos and result.e2e * 1000.0 > slos["e2el"]:
         return False
     per_token = tpot(result)
-    if "tpot" in slos and per_token is not None and per_token * 1000.0 > slos["tpot"]:
-        return False
-    return True
+    return not ("tpot" in slos and per_token is not None and per_token * 1000.0 > slos["tpot"])
 
 
 def level_label(concurrency: int | None, request_rate: float | None) -> str:

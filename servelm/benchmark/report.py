@@ -21,9 +21,23 @@ def _ms(value: float | None) -> str:
 def format_table(levels: Sequence[LevelSummary]) -> str:
     """One row per level, latencies in milliseconds, and the failures below it by message."""
     header = [
-        "level", "ok", "fail", "time s", "req/s", "out tok/s", "tot tok/s",
-        "TTFT mean", "TTFT p50", "TTFT p99", "TPOT mean", "TPOT p50", "TPOT p99",
-        "ITL p50", "ITL p99", "E2E p50", "E2E p99",
+        "level",
+        "ok",
+        "fail",
+        "time s",
+        "req/s",
+        "out tok/s",
+        "tot tok/s",
+        "TTFT mean",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT mean",
+        "TPOT p50",
+        "TPOT p99",
+        "ITL p50",
+        "ITL p99",
+        "E2E p50",
+        "E2E p99",
     ]
     with_goodput = any(level.goodput is not None for level in levels)
     if with_goodput:
@@ -31,19 +45,38 @@ def format_table(levels: Sequence[LevelSummary]) -> str:
     rows = [header]
     for s in levels:
         row = [
-            s.label, str(s.completed), str(s.failed), f"{s.duration_s:.2f}", f"{s.request_throughput:.2f}",
-            f"{s.output_throughput:.1f}", f"{s.total_token_throughput:.1f}",
-            _ms(s.ttft_ms.mean), _ms(s.ttft_ms.median), _ms(s.ttft_ms.p99),
-            _ms(s.tpot_ms.mean), _ms(s.tpot_ms.median), _ms(s.tpot_ms.p99),
-            _ms(s.itl_ms.median), _ms(s.itl_ms.p99), _ms(s.e2el_ms.median), _ms(s.e2el_ms.p99),
+            s.label,
+            str(s.completed),
+            str(s.failed),
+            f"{s.duration_s:.2f}",
+            f"{s.request_throughput:.2f}",
+            f"{s.output_throughput:.1f}",
+            f"{s.total_token_throughput:.1f}",
+            _ms(s.ttft_ms.mean),
+            _ms(s.ttft_ms.median),
+            _ms(s.ttft_ms.p99),
+            _ms(s.tpot_ms.mean),
+            _ms(s.tpot_ms.median),
+            _ms(s.tpot_ms.p99),
+            _ms(s.itl_ms.median),
+            _ms(s.itl_ms.p99),
+            _ms(s.e2el_ms.median),
+            _ms(s.e2el_ms.p99),
         ]
         if with_goodput:
             row.append("-" if s.goodput is None else f"{s.goodput:.2f}")
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    notes = ["(latencies in ms; goodput in req/s meeting " + _slo_text(levels) + ")"] if with_goodput else ["(latencies in ms)"]
+    notes = (
+        ["(latencies in ms; goodput in req/s meeting " + _slo_text(levels) + ")"]
+        if with_goodput
+        else ["(latencies in ms)"]
+    )
     for s in levels:
         for message, count in s.errors.items():
             notes.append(f"{s.label}: {count} failed: {message}")
@@ -61,14 +94,16 @@ def cpu_line(cpu_s: float, wall_s: float) -> str:
     return f"client CPU: {percent:.1f}% of one core ({cpu_s:.2f} s CPU over {wall_s:.2f} s of requests)"
 
 
-def result_document(params: dict[str, Any], levels: Sequence[LevelSummary], cpu_s: float, wall_s: float) -> dict[str, Any]:
+def result_document(
+    params: dict[str, Any], levels: Sequence[LevelSummary], cpu_s: float, wall_s: float
+) -> dict[str, Any]:
     """The JSON written by ``--result-json``: the run's parameters, the client's CPU use and each level."""
     from servelm import __version__
 
     return {
         "benchmark": "servelm bench serve",
         "servelm_version": __version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "params": params,
         "client_cpu": {
             "cpu_s": cpu_s,
@@ -106,11 +141,23 @@ def plot(path: str | Path, levels: Sequence[LevelSummary], title: str = "") -> N
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     try:
         panels: list[tuple[Any, str, list[tuple[str, list[float | None], str]]]] = [
-            (left, "TTFT (ms)", [("TTFT p50", [s.ttft_ms.median for s in levels], "o-"),
-                                 ("TTFT p99", [s.ttft_ms.p99 for s in levels], "o--")]),
-            (right, "per output token (ms)", [("TPOT p50", [s.tpot_ms.median for s in levels], "s-"),
-                                              ("ITL p50", [s.itl_ms.median for s in levels], "^-"),
-                                              ("ITL p99", [s.itl_ms.p99 for s in levels], "^--")]),
+            (
+                left,
+                "TTFT (ms)",
+                [
+                    ("TTFT p50", [s.ttft_ms.median for s in levels], "o-"),
+                    ("TTFT p99", [s.ttft_ms.p99 for s in levels], "o--"),
+                ],
+            ),
+            (
+                right,
+                "per output token (ms)",
+                [
+                    ("TPOT p50", [s.tpot_ms.median for s in levels], "s-"),
+                    ("ITL p50", [s.itl_ms.median for s in levels], "^-"),
+                    ("ITL p99", [s.itl_ms.p99 for s in levels], "^--"),
+                ],
+            ),
         ]
         for axis, ylabel, series in panels:
             for name, ys, style in series:

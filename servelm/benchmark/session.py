@@ -83,7 +83,14 @@ def _progress(total: int, label: str, enabled: bool | None) -> Any:
     from tqdm import tqdm
 
     # disable=None: tqdm shows the bar only when stderr is a terminal.
-    return tqdm(total=total, desc=label, unit="req", file=sys.stderr, disable=None if enabled is None else not enabled, leave=True)
+    return tqdm(
+        total=total,
+        desc=label,
+        unit="req",
+        file=sys.stderr,
+        disable=None if enabled is None else not enabled,
+        leave=True,
+    )
 
 
 async def run_session(config: BenchConfig, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -119,11 +126,17 @@ async def run_session(config: BenchConfig, out: TextIO | None = None, err: TextI
             source = f"{config.input_len}-token random prompts, tokenizer {tokenizer.description}"
         else:
             source = f"{config.input_len}-word random prompts (no tokenizer: about one token a word)"
-        note(f"{config.base_url} model {model}, /v1/{'chat/completions' if config.endpoint == 'chat' else 'completions'}, {source}")
+        note(
+            f"{config.base_url} model {model}, /v1/{'chat/completions' if config.endpoint == 'chat' else 'completions'}, {source}"
+        )
 
         rng = random.Random(config.seed)
-        options = SamplingOptions(ignore_eos=config.ignore_eos, send_min_tokens=config.min_tokens,
-                                  temperature=config.temperature, extra_body=config.extra_body)
+        options = SamplingOptions(
+            ignore_eos=config.ignore_eos,
+            send_min_tokens=config.min_tokens,
+            temperature=config.temperature,
+            extra_body=config.extra_body,
+        )
 
         async def send(req: BenchRequest) -> RequestResult:
             return await send_request(client, config.endpoint, model, req, options, config.timeout)
@@ -133,7 +146,9 @@ async def run_session(config: BenchConfig, out: TextIO | None = None, err: TextI
             warmup = await build_requests(config, tokenizer, pool, rng, config.warmup, 0)
             # Each level gets fresh prompts, so no level finds its prompts in the prefix cache.
             batches = [
-                await build_requests(config, tokenizer, pool, rng, config.num_prompts, config.warmup + i * config.num_prompts)
+                await build_requests(
+                    config, tokenizer, pool, rng, config.num_prompts, config.warmup + i * config.num_prompts
+                )
                 for i in range(len(config.levels))
             ]
         except (httpx.HTTPError, ValueError, KeyError) as exc:
@@ -185,12 +200,21 @@ async def _run_one(
     with _progress(len(requests), level.label, config.progress) as bar:
         cpu0 = time.process_time()
         results, duration = await run_level(
-            send, requests, concurrency=level.concurrency, request_rate=level.request_rate, rng=rng,
+            send,
+            requests,
+            concurrency=level.concurrency,
+            request_rate=level.request_rate,
+            rng=rng,
             on_result=lambda _: bar.update(1),
         )
         cpu_s = time.process_time() - cpu0
     summary = summarize(
-        results, duration, concurrency=level.concurrency, request_rate=level.request_rate, slos=config.slos, client_cpu_s=cpu_s
+        results,
+        duration,
+        concurrency=level.concurrency,
+        request_rate=level.request_rate,
+        slos=config.slos,
+        client_cpu_s=cpu_s,
     )
     if config.save_detailed:
         summary.requests = [_detail(r) for r in results]

@@ -25,9 +25,7 @@ class ConnectorError(APIError):
 
 class ModelNotFound(ConnectorError):
     def __init__(self, model: str):
-        super().__init__(
-            f"The model `{model}` does not exist.", status=404, code="model_not_found", param="model"
-        )
+        super().__init__(f"The model `{model}` does not exist.", status=404, code="model_not_found", param="model")
 
 
 class ContextLengthExceeded(ConnectorError):

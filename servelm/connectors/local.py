@@ -223,8 +223,13 @@ class LocalConnector:
         usage = engine.engine.block_manager.usage if engine is not None else 0.0
         return [
             ReplicaStatus(
-                replica="local", state="RUNNING" if alive else "DEAD", node="local", pid=os.getpid(),
-                running=depth.running, waiting=depth.waiting, kv_cache_usage=usage,
+                replica="local",
+                state="RUNNING" if alive else "DEAD",
+                node="local",
+                pid=os.getpid(),
+                running=depth.running,
+                waiting=depth.waiting,
+                kv_cache_usage=usage,
             )
         ]
 

@@ -16,7 +16,6 @@ without ``--replicas``/``--ray-address`` never loads it).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -70,7 +69,6 @@ class RayConnector:
         self.handle = handle
         self._board_reader = board_reader
         self._poller: StatsPoller | None = None
-        self._poller_loop: asyncio.AbstractEventLoop | None = None
         self._models: list[ModelCard] | None = None
         self._load_error: str | None = None
         self._deployed = False
@@ -107,7 +105,11 @@ class RayConnector:
                     if plan.autoscaling
                     else f"{plan.replicas} replica{'s' if plan.replicas != 1 else ''}"
                 )
-                where = "a local Ray cluster" if self._cluster.started_here else f"the Ray cluster at {self._cluster.address}"
+                where = (
+                    "a local Ray cluster"
+                    if self._cluster.started_here
+                    else f"the Ray cluster at {self._cluster.address}"
+                )
                 say(f"deploying {count} of {cpus} each on {where}")
                 self.handle = ray_deploy.deploy(plan, say=say)
                 self._deployed = True
@@ -126,6 +128,8 @@ class RayConnector:
         """
         from servelm.connectors import ray_cluster
 
+        if self._poller is not None:
+            self._poller.cancel()
         if self._deployed and not (self._cluster is not None and self._cluster.started_here):
             from servelm.connectors import ray_deploy
 
@@ -183,8 +187,12 @@ class RayConnector:
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.handle is None:
-            raise ConnectorError("The replicas are not deployed yet.", status=503, type="service_unavailable_error",
-                                 code="model_not_ready")
+            raise ConnectorError(
+                "The replicas are not deployed yet.",
+                status=503,
+                type="service_unavailable_error",
+                code="model_not_ready",
+            )
         last: BaseException | None = None
         for _ in range(CALL_ATTEMPTS):
             try:
@@ -196,8 +204,9 @@ class RayConnector:
                 continue
             raise_error_item(result)
             return result["ok"]
-        raise ConnectorError(f"No engine replica answered: {last}", status=503, type="service_unavailable_error",
-                             code="replica_failed")
+        raise ConnectorError(
+            f"No engine replica answered: {last}", status=503, type="service_unavailable_error", code="replica_failed"
+        )
 
     async def models(self) -> list[ModelCard]:
         if self._models is None:
@@ -224,8 +233,14 @@ class RayConnector:
         **kwargs: Any,
     ) -> str:
         return await self._call(
-            "apply_chat_template", model, messages, add_generation_prompt, chat_template,
-            tools=tools, tool_call_parser=tool_call_parser, **kwargs,
+            "apply_chat_template",
+            model,
+            messages,
+            add_generation_prompt,
+            chat_template,
+            tools=tools,
+            tool_call_parser=tool_call_parser,
+            **kwargs,
         )
 
     # -- generation --------------------------------------------------------
@@ -257,8 +272,12 @@ class RayConnector:
 
     async def _open(self, request_id: str, request: dict[str, Any]) -> AsyncIterator[Any]:
         if self.handle is None:
-            raise ConnectorError("The replicas are not deployed yet.", status=503, type="service_unavailable_error",
-                                 code="model_not_ready")
+            raise ConnectorError(
+                "The replicas are not deployed yet.",
+                status=503,
+                type="service_unavailable_error",
+                code="model_not_ready",
+            )
         response = self.handle.options(stream=True).generate.remote(request)
         self._streams[request_id] = response
         finished = False

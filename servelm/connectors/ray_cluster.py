@@ -85,6 +85,9 @@ def connect(address: str | None, num_cpus: float | None = None, num_gpus: float 
         os.environ.pop("RAY_ADDRESS", None)
     elif address != "auto":
         _check_reachable(address)
+        if address.rpartition(":")[0].strip("[]") in ("127.0.0.1", "localhost", "::1"):
+            # A cluster on loopback registered its nodes there: this driver must not rewrite its own address.
+            os.environ.setdefault(LOOPBACK_ENV, "0")
     import ray
 
     if ray.is_initialized():
@@ -99,7 +102,7 @@ def connect(address: str | None, num_cpus: float | None = None, num_gpus: float 
         # it starts (GCS, raylet) to the life of the thread that started them.
         try:
             ray.init(**kwargs)
-        except Exception as exc:  # noqa: BLE001 - any failure to start is reported the same way
+        except Exception as exc:
             shutil.rmtree(temp_dir, ignore_errors=True)
             raise RayClusterError(f"could not start a local Ray cluster: {_explain(exc)}") from None
         return _info(started_here=True, temp_dir=temp_dir)
@@ -109,7 +112,7 @@ def connect(address: str | None, num_cpus: float | None = None, num_gpus: float 
     def init() -> None:
         try:
             ray.init(**kwargs)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             error.append(exc)
 
     # Joining starts no process, so a thread can bound Ray's long retries.

@@ -9,6 +9,7 @@ autoscaling on ongoing requests per replica between min and max replicas),
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -195,7 +196,7 @@ def running_handle(plan: ReplicaPlan):
 
     try:
         app = serve.status().applications.get(plan.app_name)
-    except Exception:  # noqa: BLE001 - no Serve on this cluster yet
+    except Exception:
         return None
     if app is None or str(app.status.value) != "RUNNING" or DEPLOYMENT_NAME not in app.deployments:
         return None
@@ -234,7 +235,5 @@ def undeploy(plan: ReplicaPlan) -> None:
     try:
         serve.delete(plan.app_name)
     finally:
-        try:
+        with contextlib.suppress(ValueError):
             ray.kill(ray.get_actor(plan.stats_board, namespace=plan.namespace))
-        except ValueError:
-            pass

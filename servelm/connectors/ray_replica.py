@@ -128,7 +128,7 @@ class EngineReplica:
                 async for out in stream:
                     queue.put_nowait(out)
                 queue.put_nowait(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer below
+            except BaseException as exc:
                 queue.put_nowait(exc)
 
         task = asyncio.create_task(pump())
@@ -216,7 +216,7 @@ class EngineReplica:
                 if board is None:
                     board = stats_board(str(self._stats_name), self.spec["namespace"])
                 ray.get(board.put.remote(self._stats()), timeout=5.0)
-            except Exception:  # noqa: BLE001 - the board may be restarting; try again next period
+            except Exception:
                 board = None
             self._stop.wait(STATS_PERIOD_S)
 
@@ -262,7 +262,7 @@ def _replica_id() -> str:
         from ray import serve
 
         return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - outside Serve (unit tests): this process
+    except Exception:
         return f"pid-{os.getpid()}"
 
 
@@ -272,5 +272,5 @@ def _node() -> tuple[str, str]:
 
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - outside Ray
+    except Exception:
         return "local", "127.0.0.1"

@@ -71,7 +71,9 @@ def resume_request(request: dict[str, Any], progress: _Progress, attempt: int) -
         raise ConnectorError(
             "The engine replica serving this request failed after it had produced output; a request with "
             "n > 1, a structured output or tools cannot be resumed on another replica. Retry the request.",
-            status=503, type="service_unavailable_error", code="replica_failed",
+            status=503,
+            type="service_unavailable_error",
+            code="replica_failed",
         )
     done = len(progress.token_ids)
     changes: dict[str, Any] = {"prompt_logprobs": None, "min_tokens": max(params.min_tokens - done, 0)}
@@ -148,7 +150,10 @@ async def resumable_stream(
                 raise replica_failed_error(request["request_id"], exc) from None
             logger.warning(
                 "request %s: its replica failed (%s); resuming on another replica after %d tokens (migration %d)",
-                request["request_id"], exc, len(progress.token_ids), migrations,
+                request["request_id"],
+                exc,
+                len(progress.token_ids),
+                migrations,
             )
             if progress.token_ids:
                 base = dataclasses.replace(progress, token_ids=list(progress.token_ids))

@@ -162,7 +162,9 @@ class PrefixAwareRouter(RequestRouter):
         # so that concurrent first requests of other prefixes spread too.
         least = min(self._load(r.replica_id) for r in candidate_replicas)
         eligible = [r for r in candidate_replicas if self._load(r.replica_id) - least < self.imbalance]
-        target = min(eligible, key=lambda r: (self.table.blocks[r.replica_id], self._load(r.replica_id), random.random()))
+        target = min(
+            eligible, key=lambda r: (self.table.blocks[r.replica_id], self._load(r.replica_id), random.random())
+        )
         self.table.record(keys, target.replica_id)
         return [[target], two]
 

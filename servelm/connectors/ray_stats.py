@@ -151,7 +151,7 @@ class StatsPoller:
         """Read the board now (also what the background task does each period)."""
         try:
             snapshots = await self.read()
-        except Exception as exc:  # noqa: BLE001 - the board restarts with its node; keep the last view
+        except Exception as exc:
             logger.debug("reading the stats board failed: %s", exc)
             return self.stats
         self.stats = DeploymentStats(snapshots=snapshots, read_at=time.time())
@@ -163,8 +163,14 @@ class StatsPoller:
             await asyncio.sleep(self.period_s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        task = self._task
+        self.cancel()
+        if task is not None:
             with contextlib.suppress(BaseException):  # cancelled on purpose
-                await self._task
-            self._task = None
+                await task
+
+    def cancel(self) -> None:
+        """Stop the background reads; callable from any thread, also once the loop has ended."""
+        task, self._task = self._task, None
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            task.get_loop().call_soon_threadsafe(task.cancel)

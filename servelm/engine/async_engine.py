@@ -7,6 +7,7 @@ outputs go back to the callers' event loops with ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -29,13 +30,11 @@ class EngineDeadError(RuntimeError):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue[RequestOutput | BaseException]
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening
-            pass
 
 
 class AsyncLLMEngine:
@@ -154,11 +153,13 @@ class AsyncLLMEngine:
                     continue
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
-        except BaseException as exc:  # noqa: BLE001 - anything that escapes kills the loop
+        except BaseException as exc:
             logger.exception("engine loop died")
             self.dead_error = exc
         finally:
-            err = EngineDeadError(f"the engine stopped: {self.dead_error!r}" if self.dead_error else "the engine stopped")
+            err = EngineDeadError(
+                f"the engine stopped: {self.dead_error!r}" if self.dead_error else "the engine stopped"
+            )
             with self._lock:
                 streams = list(self._streams.items())
             for _rid, stream in streams:
@@ -171,10 +172,14 @@ class AsyncLLMEngine:
         for request_id, token_ids, prompt, params, grammar, arrival in inbox:
             try:
                 self.engine.add_request(
-                    request_id, prompt if prompt is not None else token_ids, params, token_ids,
-                    arrival_time=arrival, grammar=grammar,
+                    request_id,
+                    prompt if prompt is not None else token_ids,
+                    params,
+                    token_ids,
+                    arrival_time=arrival,
+                    grammar=grammar,
                 )
-            except Exception as exc:  # noqa: BLE001 - reported to that request only
+            except Exception as exc:
                 self._deliver(request_id, exc)
         for request_id in aborts:
             self.engine.abort_request(request_id)

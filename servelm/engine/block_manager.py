@@ -201,6 +201,7 @@ class BlockManager:
         while start > 0 and self.blocks[table[start - 1]].hash is None:
             start -= 1
         prev = self.blocks[table[start - 1]].hash if start > 0 else b""
+        assert prev is not None  # the walk above stopped at a hashed block or the start
         for i in range(start, num_full):
             block = self.blocks[table[i]]
             prev = block.hash = block_hash(prev, seq.token_ids[i * bs : (i + 1) * bs])

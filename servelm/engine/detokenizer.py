@@ -14,6 +14,8 @@ back until it is clear either way.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from servelm.engine.sampling_params import SamplingParams
 
 # Prompt tokens decoded before the first generated one, so that its text
@@ -21,6 +23,12 @@ from servelm.engine.sampling_params import SamplingParams
 _CONTEXT_TOKENS = 5
 # What a decoder yields for bytes that are not (yet) a whole UTF-8 character.
 _REPLACEMENT = "\ufffd"
+
+
+class TextDecoder(Protocol):
+    """What the detokenizer needs of a Hugging Face tokenizer."""
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool, clean_up_tokenization_spaces: bool) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -40,7 +48,7 @@ class IncrementalDetokenizer:
     a stop string or ``flush``.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer: TextDecoder, prompt_token_ids: list[int], params: SamplingParams):
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
         self._stops = list(params.stop)

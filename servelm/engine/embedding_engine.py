@@ -134,8 +134,7 @@ class EmbeddingEngine:
             raise ValueError(f"input {index} is empty")
         if len(ids) > self.max_model_len:
             raise InputTooLongError(
-                f"input {index} has {len(ids)} tokens, more than this model's maximum of "
-                f"{self.max_model_len} tokens"
+                f"input {index} has {len(ids)} tokens, more than this model's maximum of {self.max_model_len} tokens"
             )
         outside = vocabulary_error(ids, self.model.config.vocab_size)
         if outside is not None:
@@ -185,4 +184,5 @@ def _read_max_seq_length(folder: Path) -> int | None:
     path = folder / "sentence_bert_config.json"
     if not path.exists():
         return None
-    return json.loads(path.read_text()).get("max_seq_length")
+    value = json.loads(path.read_text()).get("max_seq_length")
+    return None if value is None else int(value)

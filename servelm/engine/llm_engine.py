@@ -140,7 +140,7 @@ class LLMEngine:
         keep_eos = not params.ignore_eos or grammar is not None
         eos = frozenset(self.tokenizer.eos_token_ids) if keep_eos else frozenset()
         seqs = []
-        for index in range(params.best_of):
+        for index in range(params.best_of or params.n):  # best_of is n unless set
             seq = Sequence(
                 seq_id=next(self._seq_ids),
                 request_id=request_id,
@@ -248,7 +248,9 @@ class LLMEngine:
         scheduled = out.scheduled
         sampling = {s.seq.seq_id: self._sampling[s.seq.seq_id] for s in scheduled if s.is_sampling}
         want_prompt_logprobs = {
-            s.seq.seq_id: self._prompt_logprobs[s.seq.seq_id] for s in out.prefills if s.seq.seq_id in self._prompt_logprobs
+            s.seq.seq_id: self._prompt_logprobs[s.seq.seq_id]
+            for s in out.prefills
+            if s.seq.seq_id in self._prompt_logprobs
         }
         try:
             speculating = out.speculating

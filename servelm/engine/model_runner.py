@@ -23,6 +23,7 @@ from servelm.engine.kv_cache import allocate_kv_caches, kv_block_bytes
 from servelm.engine.sample_isolation import sample_isolated
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import ScheduledSeq, SchedulerOutput
+from servelm.engine.sequence import Sequence
 from servelm.engine.spec_decode.draft import DraftModel
 from servelm.engine.spec_decode.verifier import Speculation, verify_isolated
 from servelm.kernels import cpu_kernels
@@ -86,8 +87,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.draft: DraftModel | None = None
         if config.speculative_model is not None:
-            self.draft = DraftModel(config.speculative_model, self.dtype, self.device, config.quantization,
-                                    config.cpu_matmul, self.tokenizer)
+            self.draft = DraftModel(
+                config.speculative_model,
+                self.dtype,
+                self.device,
+                config.quantization,
+                config.cpu_matmul,
+                self.tokenizer,
+            )
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.dtype, self.device)
         if self.draft is not None:
@@ -134,8 +141,10 @@ class ModelRunner:
         speculating seq_id to the distributions its proposed tokens were
         drawn from, where they were drawn (a draft model's sampled proposal).
         """
-        chunks = [Chunk(s.seq.token_ids[s.start : s.start + s.num_new_tokens], s.start, s.seq.block_table)
-                  for s in out.prefills]
+        chunks = [
+            Chunk(s.seq.token_ids[s.start : s.start + s.num_new_tokens], s.start, s.seq.block_table)
+            for s in out.prefills
+        ]
         for d in out.decodes:
             # A speculating decode's last token and proposed ones go in as that many one-token decodes
             # over the same blocks, each seeing the cache up to its own position (all K/V are written
@@ -184,7 +193,9 @@ class ModelRunner:
                 )
         return result
 
-    def _sample(self, logits, plain: list[ScheduledSeq], sampling, result: StepResult) -> None:
+    def _sample(
+        self, logits: torch.Tensor, plain: list[ScheduledSeq], sampling: dict[int, SamplingState], result: StepResult
+    ) -> None:
         if not plain:
             return
         states = [sampling[s.seq.seq_id] for s in plain]
@@ -195,7 +206,9 @@ class ModelRunner:
             else:
                 result.sampled[sch.seq.seq_id] = [SampledToken(*row)]
 
-    def _prompt_logprobs(self, hidden, row0, start, num_new, seq, k) -> list[PromptLogprob]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, row0: int, start: int, num_new: int, seq: Sequence, k: int
+    ) -> list[PromptLogprob]:
         # Row r predicts token r + 1; only positions whose next token is a
         # prompt token count (the last prompt position predicts the first
         # generated token, which the sampler reports).
@@ -205,6 +218,7 @@ class ModelRunner:
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[row0 : row0 + n]), dim=-1)
         targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        tops: list[list[tuple[int, float]]]
         if k > 0:
             top_vals, top_ids = logprobs.topk(k, dim=-1)
             tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())]

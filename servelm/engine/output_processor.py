@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.model_runner import StepResult
@@ -32,6 +33,11 @@ from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.engine.sequence import Sequence
 from servelm.engine.tool_parsers import ToolCallParser, get_format
+
+if TYPE_CHECKING:
+    from servelm.models.tokenizer import Tokenizer
+
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob) pairs, best first
 
 # scheduler.finish: ends a sequence with a reason and frees its KV blocks.
 FinishFn = Callable[[Sequence, str, "str | int | None"], None]
@@ -90,7 +96,7 @@ class OutputProcessor:
     :meth:`~servelm.engine.scheduler.Scheduler.finish`).
     """
 
-    def __init__(self, tokenizer, finish: FinishFn):
+    def __init__(self, tokenizer: Tokenizer, finish: FinishFn):
         self._tokenizer = tokenizer
         self._finish = finish
         self._requests: dict[str, _RequestState] = {}
@@ -152,6 +158,7 @@ class OutputProcessor:
             if choice is None:
                 continue
             state = self._requests[choice.seq.request_id]
+            assert state.prompt_logprobs is not None  # the runner reports them only where asked
             for p in positions:
                 token_id = state.prompt_token_ids[p.position]
                 state.prompt_logprobs[p.position] = self._position_logprobs(token_id, p.logprob, p.top_logprobs)
@@ -185,7 +192,7 @@ class OutputProcessor:
                 choice.seq.finish_reason = "error"
         return self._make_output(state)
 
-    def _add_token(self, choice: _Choice, token_id: int, logprob: float, top, last: bool) -> bool:
+    def _add_token(self, choice: _Choice, token_id: int, logprob: float, top: TopLogprobs | None, last: bool) -> bool:
         """Add the sequence's next token (``last``: the newest it has); True when a stop string ended it here."""
         seq = choice.seq
         choice.num_tokens += 1
@@ -230,7 +237,7 @@ class OutputProcessor:
             self._token_text[token_id] = text
         return text
 
-    def _position_logprobs(self, token_id: int, logprob: float, top) -> PositionLogprobs:
+    def _position_logprobs(self, token_id: int, logprob: float, top: TopLogprobs) -> PositionLogprobs:
         return PositionLogprobs(
             chosen=TokenLogprob(token_id, logprob, self._token_str(token_id)),
             top=[TokenLogprob(t, lp, self._token_str(t)) for t, lp in top],

@@ -160,9 +160,7 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     for d in delta.outputs:
         c = choices.get(d.index)
         if c is None:
-            c = choices[d.index] = CompletionOutput(
-                index=d.index, logprobs=[] if d.logprobs is not None else None
-            )
+            c = choices[d.index] = CompletionOutput(index=d.index, logprobs=[] if d.logprobs is not None else None)
         c.text += d.text
         c.token_ids.extend(d.token_ids)
         if d.logprobs is not None and c.logprobs is not None:

@@ -353,15 +353,17 @@ def random_choice(probs: torch.Tensor, generators: list[torch.Generator | None])
     return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
 
 
-def top_logprobs(raw_logprobs: torch.Tensor, states: list[SamplingState]) -> list | None:
+def top_logprobs(
+    raw_logprobs: torch.Tensor, states: list[SamplingState]
+) -> list[list[tuple[int, float]] | None] | None:
     """Each row's ``params.logprobs`` highest raw logprobs, as in :class:`SamplerOutput`."""
-    wanted = [s.params.logprobs for s in states]
-    asking = [i for i, k in enumerate(wanted) if k is not None]
-    if not asking:
+    wanted = {i: k for i, s in enumerate(states) if (k := s.params.logprobs) is not None}
+    if not wanted:
         return None
+    asking = list(wanted)
     result: list[list[tuple[int, float]] | None] = [None] * len(states)
     vocab = raw_logprobs.shape[1]
-    max_k = min(max(wanted[i] for i in asking), vocab)
+    max_k = min(max(wanted.values()), vocab)
     rows = torch.tensor(asking, device=raw_logprobs.device)
     values, ids = raw_logprobs[rows].topk(max_k, dim=-1)
     for i, row_ids, row_vals in zip(asking, ids.tolist(), values.tolist()):

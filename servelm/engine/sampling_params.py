@@ -9,7 +9,7 @@ import numbers
 import struct
 from dataclasses import dataclass, field
 
-from servelm.engine.params_error import SamplingParamsError
+from servelm.engine.params_error import SamplingParamsError as SamplingParamsError  # re-exported
 from servelm.engine.structured_outputs import StructuredOutputsParams
 from servelm.engine.tool_parsers.registry import FORMATS
 
@@ -137,9 +137,7 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad("logprobs", "must be an integer >= 0")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
-        ):
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             bad("prompt_logprobs", "must be an integer >= 0")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "must be non-empty strings")
@@ -174,10 +172,10 @@ class SamplingParams:
         Special tokens stay in the text when the format's markers are ones
         (Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``).
         """
-        changes: dict[str, object] = {"tool_call_parser": fmt}
-        if FORMATS[fmt].keep_special_tokens:
-            changes["skip_special_tokens"] = False
-        return dataclasses.replace(self, **changes)
+        keep_special = FORMATS[fmt].keep_special_tokens
+        return dataclasses.replace(
+            self, tool_call_parser=fmt, skip_special_tokens=self.skip_special_tokens and not keep_special
+        )
 
     @property
     def greedy(self) -> bool:

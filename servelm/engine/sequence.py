@@ -67,9 +67,7 @@ class Sequence:
         # from one prompt list, and each grows on its own.
         self.token_ids = list(self.token_ids)
         if not 1 <= self.num_prompt_tokens <= len(self.token_ids):
-            raise ValueError(
-                f"num_prompt_tokens must be in [1, {len(self.token_ids)}], got {self.num_prompt_tokens}"
-            )
+            raise ValueError(f"num_prompt_tokens must be in [1, {len(self.token_ids)}], got {self.num_prompt_tokens}")
 
     @property
     def num_tokens(self) -> int:

@@ -22,12 +22,24 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 # Validation keywords xgrammar 0.2.8 accepts but does not enforce: a schema using
 # them would produce output that does not validate, so it is refused instead.
-UNENFORCED_KEYWORDS = frozenset({
-    "not", "if", "then", "else",
-    "dependentRequired", "dependentSchemas", "dependencies",
-    "contains", "minContains", "maxContains",
-    "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor",
-})
+UNENFORCED_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "contains",
+        "minContains",
+        "maxContains",
+        "$dynamicRef",
+        "$dynamicAnchor",
+        "$recursiveRef",
+        "$recursiveAnchor",
+    }
+)
 
 # Where a schema holds subschemas: keyword -> how (one schema, a list, or a name -> schema map).
 _SUBSCHEMA_ONE = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties", "unevaluatedItems")

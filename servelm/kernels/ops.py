@@ -46,13 +46,13 @@ class OneTokenDecoder:
     """
 
     def __init__(self, native: torch.ScriptObject) -> None:
-        self._native = native
+        self._decoder = native  # the C++ object holding the weights and caches
         self._op = torch.ops.servelm.decode_one.default
 
     def __call__(self, x: torch.Tensor, position: int, block_table: torch.Tensor) -> torch.Tensor:
         """The final hidden state ``[1, hidden]`` of the token whose embedding is ``x`` ``[1, hidden]``
         (overwritten), at ``position`` of the sequence whose block table ``block_table`` (int64) covers it."""
-        self._op(self._native, x, position, block_table)
+        self._op(self._decoder, x, position, block_table)
         return x
 
 

@@ -60,8 +60,7 @@ class BertConfig:
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: expected {expected}")
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(
-                f"hidden_size {config.hidden_size} is not divisible by "
-                f"num_attention_heads {config.num_attention_heads}"
+                f"hidden_size {config.hidden_size} is not divisible by num_attention_heads {config.num_attention_heads}"
             )
         return config
 
@@ -98,8 +97,10 @@ class BertLayer(nn.Module):
         self.ffn_out = nn.Linear(config.intermediate_size, hidden)
         self.ffn_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         # "gelu" in BERT configs is the exact erf form; the others are the tanh approximation.
-        self.act = nn.ReLU() if config.hidden_act == "relu" else nn.GELU(
-            approximate="none" if config.hidden_act == "gelu" else "tanh"
+        self.act = (
+            nn.ReLU()
+            if config.hidden_act == "relu"
+            else nn.GELU(approximate="none" if config.hidden_act == "gelu" else "tanh")
         )
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:

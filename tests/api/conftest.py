@@ -12,6 +12,7 @@ import pytest
 
 from servelm.api import create_app
 from servelm.settings import Settings
+
 from .fake_connector import FakeConnector
 
 CREATED = 1700000000

@@ -117,8 +117,14 @@ class FakeConnector:
 
     def _cards(self) -> list[ModelCard]:
         return [
-            ModelCard(CHAT_MODEL, "generate", self.max_model_len, created=1700000000, root="/models/fake-chat.gguf",
-                      tool_call_parser="hermes"),
+            ModelCard(
+                CHAT_MODEL,
+                "generate",
+                self.max_model_len,
+                created=1700000000,
+                root="/models/fake-chat.gguf",
+                tool_call_parser="hermes",
+            ),
             ModelCard(EMBED_MODEL, "embed", 32, created=1700000000, root="/models/fake-embed"),
         ]
 
@@ -171,7 +177,9 @@ class FakeConnector:
         prompt_logprobs = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [position_logprobs(t, params.prompt_logprobs) for t in prompt_ids[1:]]
-        parsers = [get_format(params.tool_call_parser).parser() for _ in range(params.n)] if params.tool_call_parser else []
+        parsers = (
+            [get_format(params.tool_call_parser).parser() for _ in range(params.n)] if params.tool_call_parser else []
+        )
         generated = 0
         step = 0
         while True:
@@ -266,8 +274,14 @@ class FakeConnector:
     ) -> str:
         self._card(model, "generate")
         self.template_calls.append(
-            {"messages": messages, "add_generation_prompt": add_generation_prompt, "chat_template": chat_template,
-             "tools": tools, "tool_call_parser": tool_call_parser, **kwargs}
+            {
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "chat_template": chat_template,
+                "tools": tools,
+                "tool_call_parser": tool_call_parser,
+                **kwargs,
+            }
         )
         if self.template_error is not None:
             raise self.template_error

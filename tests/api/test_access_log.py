@@ -112,7 +112,7 @@ async def test_embeddings_and_other_routes(client, access):
     await client.get("/nowhere")
     await client.post("/v1/chat/completions", json={"model": "fake-chat"})
     lines = access()
-    assert [(l["route"], l["status"], l["prompt_tokens"], l["completion_tokens"]) for l in lines] == [
+    assert [(e["route"], e["status"], e["prompt_tokens"], e["completion_tokens"]) for e in lines] == [
         ("/v1/embeddings", 200, 5, None),
         ("/v1/models/{model_id:path}", 200, None, None),
         ("unmatched", 404, None, None),
@@ -128,7 +128,7 @@ async def test_rejected_requests_are_logged(fake, access):
         await c.post("/v1/chat/completions", json=CHAT)
         await c.post("/v1/chat/completions", json=CHAT, headers=auth)
         await c.post("/v1/completions", json={"model": "fake-chat", "prompt": "x", "max_tokens": 2}, headers=auth)
-    assert [(l["route"], l["status"]) for l in access()] == [
+    assert [(e["route"], e["status"]) for e in access()] == [
         ("/v1/chat/completions", 401),
         ("/v1/chat/completions", 200),
         ("/v1/completions", 429),  # the same key, over its one request a minute
@@ -177,7 +177,7 @@ def test_log_format_json_configures_the_process():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     lines = [json.loads(line) for line in run.stderr.splitlines()]
-    assert [(l["level"], l["logger"], l["message"]) for l in lines] == [
+    assert [(e["level"], e["logger"], e["message"]) for e in lines] == [
         ("info", "uvicorn.error", "Started server"),
         ("error", "servelm.api", "failed"),
     ]

@@ -27,7 +27,7 @@ def events(text: str) -> list[str]:
     assert text.endswith("\n\n")
     parts = text[:-2].split("\n\n")
     assert all(p.startswith("data: ") for p in parts)
-    return [p[len("data: "):] for p in parts]
+    return [p[len("data: ") :] for p in parts]
 
 
 def chunks(text: str) -> list[dict]:
@@ -147,13 +147,19 @@ async def test_logprobs_chat_format(client):
                 "token": "H",
                 "logprob": -0.5,
                 "bytes": [72],
-                "top_logprobs": [{"token": "H", "logprob": -0.5, "bytes": [72]}, {"token": "a", "logprob": -1.0, "bytes": [97]}],
+                "top_logprobs": [
+                    {"token": "H", "logprob": -0.5, "bytes": [72]},
+                    {"token": "a", "logprob": -1.0, "bytes": [97]},
+                ],
             },
             {
                 "token": "e",
                 "logprob": -0.5,
                 "bytes": [101],
-                "top_logprobs": [{"token": "e", "logprob": -0.5, "bytes": [101]}, {"token": "a", "logprob": -1.0, "bytes": [97]}],
+                "top_logprobs": [
+                    {"token": "e", "logprob": -0.5, "bytes": [101]},
+                    {"token": "a", "logprob": -1.0, "bytes": [97]},
+                ],
             },
         ],
         "refusal": None,
@@ -299,11 +305,17 @@ async def test_messages_render_roles_parts_and_developer(client, fake):
     messages = [
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
         {"role": "tool", "content": "42", "tool_call_id": "1"},
         {"role": "system", "content": [{"type": "text", "text": "s"}], "name": "sys"},
     ]
-    r = await chat(client, messages=messages, chat_template_kwargs={"enable_thinking": False}, add_generation_prompt=False)
+    r = await chat(
+        client, messages=messages, chat_template_kwargs={"enable_thinking": False}, add_generation_prompt=False
+    )
     assert r.status_code == 200, r.text
     call = fake.template_calls[0]
     assert call["messages"] == [
@@ -321,7 +333,10 @@ async def test_messages_render_roles_parts_and_developer(client, fake):
 @pytest.mark.parametrize(
     "messages,param",
     [
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}], "messages[0].content[0].type"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
+            "messages[0].content[0].type",
+        ),
         ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
         ([{"role": "user"}], "messages[0].content"),
         ([{"role": "wizard", "content": "x"}], "messages[0].role"),
@@ -420,7 +435,12 @@ async def test_engine_error_mid_stream_sends_error_event_then_done(client, fake)
     evs = events(r.text)
     assert evs[-1] == "[DONE]"
     assert json.loads(evs[-2]) == {
-        "error": {"message": "The engine failed the request: boom", "type": "server_error", "param": None, "code": "engine_error"}
+        "error": {
+            "message": "The engine failed the request: boom",
+            "type": "server_error",
+            "param": None,
+            "code": "engine_error",
+        }
     }
     assert [json.loads(e)["choices"][0]["delta"].get("content") for e in evs[1:3]] == ["H", "e"]
 

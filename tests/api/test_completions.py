@@ -26,7 +26,12 @@ async def test_string_prompt(client, fake):
         "model": "fake-chat",
         "system_fingerprint": fingerprint(),
         "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 2}},
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 5,
+            "total_tokens": 8,
+            "prompt_tokens_details": {"cached_tokens": 2},
+        },
     }
     # Text prompts are tokenized with special tokens (BOS here) before the engine sees them.
     assert fake.generate_calls[0][2] == encode("ab")

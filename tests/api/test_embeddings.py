@@ -71,7 +71,9 @@ async def test_token_input_over_context(client):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded"
-    assert err["message"].startswith("This model's maximum context length is 32 tokens. However, you requested 40 tokens in the input.")
+    assert err["message"].startswith(
+        "This model's maximum context length is 32 tokens. However, you requested 40 tokens in the input."
+    )
 
 
 async def test_engine_side_overflow_keeps_the_envelope(client):

@@ -45,8 +45,15 @@ def documented_rows() -> list[tuple[set[int], set[str], set[str | None]]]:
 Producer = Callable[[], Awaitable[httpx.Response]]
 
 
-async def _call(fake: FakeConnector, method: str, path: str, body: object = None, raw: bytes | None = None,
-                headers: dict | None = None, **settings: object) -> httpx.Response:
+async def _call(
+    fake: FakeConnector,
+    method: str,
+    path: str,
+    body: object = None,
+    raw: bytes | None = None,
+    headers: dict | None = None,
+    **settings: object,
+) -> httpx.Response:
     async with make_client(make_app(fake, **settings)) as c:
         if raw is not None:
             return await c.request(method, path, content=raw, headers={"content-type": "application/json"})
@@ -67,8 +74,12 @@ async def invalid_json() -> httpx.Response:
 
 
 async def context_too_long() -> httpx.Response:
-    return await _call(FakeConnector(max_model_len=8), "POST", "/v1/completions",
-                       {"model": "fake-chat", "prompt": "far too long a prompt", "max_tokens": 1})
+    return await _call(
+        FakeConnector(max_model_len=8),
+        "POST",
+        "/v1/completions",
+        {"model": "fake-chat", "prompt": "far too long a prompt", "max_tokens": 1},
+    )
 
 
 async def model_not_supported() -> httpx.Response:
@@ -81,8 +92,14 @@ async def invalid_structured_output() -> httpx.Response:
 
 
 async def bad_key() -> httpx.Response:
-    return await _call(FakeConnector(), "POST", "/v1/chat/completions", CHAT,
-                       headers={"authorization": "Bearer wrong"}, api_keys=["right"])
+    return await _call(
+        FakeConnector(),
+        "POST",
+        "/v1/chat/completions",
+        CHAT,
+        headers={"authorization": "Bearer wrong"},
+        api_keys=["right"],
+    )
 
 
 async def unknown_model() -> httpx.Response:
@@ -98,8 +115,9 @@ async def wrong_method() -> httpx.Response:
 
 
 async def too_large() -> httpx.Response:
-    return await _call(FakeConnector(), "POST", "/v1/chat/completions", {**CHAT, "user": "x" * 4096},
-                       max_body_bytes=1024)
+    return await _call(
+        FakeConnector(), "POST", "/v1/chat/completions", {**CHAT, "user": "x" * 4096}, max_body_bytes=1024
+    )
 
 
 async def rate_limited() -> httpx.Response:
@@ -155,8 +173,12 @@ async def engine_dead() -> httpx.Response:
 async def replica_failed() -> httpx.Response:
     # How the Ray connector gives up on a request (tests/connectors/test_ray_front_end.py
     # produces it through the connector itself).
-    error = ConnectorError("The request lost its engine replica 4 times; giving up.", status=503,
-                           type="service_unavailable_error", code="replica_failed")
+    error = ConnectorError(
+        "The request lost its engine replica 4 times; giving up.",
+        status=503,
+        type="service_unavailable_error",
+        code="replica_failed",
+    )
     return await _call(FakeConnector(raise_on_start=error), "POST", "/v1/chat/completions", CHAT)
 
 

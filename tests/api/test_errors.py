@@ -28,9 +28,7 @@ async def test_wrong_method_405(client):
 
 
 async def test_invalid_json_400(client):
-    r = await client.post(
-        "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
-    )
+    r = await client.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     err = assert_envelope(r, 400)
     assert err["code"] == "invalid_json"
 
@@ -55,7 +53,11 @@ async def test_empty_body(client):
 async def test_wrong_type_names_the_nested_field(client):
     r = await client.post(
         "/v1/chat/completions",
-        json={"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": "maybe"}},
+        json={
+            "model": "fake-chat",
+            "messages": [{"role": "user", "content": "x"}],
+            "stream_options": {"include_usage": "maybe"},
+        },
     )
     err = assert_envelope(r, 400)
     assert err["param"] == "stream_options.include_usage"

@@ -37,9 +37,19 @@ class TwoReplicas(FakeConnector):
 
     async def engine_stats(self) -> list[EngineStats]:
         def stats(running: int, replica: str | None) -> EngineStats:
-            return EngineStats(CHAT_MODEL, num_running=running, num_waiting=1, kv_cache_usage=0.5,
-                               prefix_cache_queries=10, prefix_cache_hits=5, dtype="float32", device="cpu",
-                               kv_cache_tokens=1024, kv_cache_bytes=1 << 20, replica=replica)
+            return EngineStats(
+                CHAT_MODEL,
+                num_running=running,
+                num_waiting=1,
+                kv_cache_usage=0.5,
+                prefix_cache_queries=10,
+                prefix_cache_hits=5,
+                dtype="float32",
+                device="cpu",
+                kv_cache_tokens=1024,
+                kv_cache_bytes=1 << 20,
+                replica=replica,
+            )
 
         return [stats(3, None), stats(1, "a"), stats(2, "b")]
 
@@ -78,4 +88,4 @@ async def test_per_replica_figures_are_not_added_to_their_sum():
     for expr in _exprs(json.loads(DASHBOARD.read_text())):
         for match in METRIC.finditer(expr):
             if match.group() in per_replica:
-                assert expr[match.end():].startswith('{replica=""'), f"{match.group()} in {expr!r}"
+                assert expr[match.end() :].startswith('{replica=""'), f"{match.group()} in {expr!r}"

@@ -99,8 +99,10 @@ def test_sigterm_refuses_new_work_and_lets_streams_finish():
         r = httpx.post(url + "/v1/chat/completions", json=CHAT)
         assert r.status_code == 503 and r.headers["retry-after"] == "5"
         assert r.json()["error"] == {
-            "message": r.json()["error"]["message"], "type": "service_unavailable_error",
-            "param": None, "code": "server_shutting_down",
+            "message": r.json()["error"]["message"],
+            "type": "service_unavailable_error",
+            "param": None,
+            "code": "server_shutting_down",
         }
         assert thread.is_alive()  # the stream in flight is still being served
         srv.release(fake)

@@ -32,13 +32,17 @@ async def test_counters_and_histograms_equal_a_known_workload(fake):
     prompt_tokens = 0
     async with make_client(app) as c:
         for _ in range(3):  # cut short by max_tokens: finish_reason length, 4 tokens each
-            r = await c.post("/v1/chat/completions", json={
-                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            r = await c.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            )
             assert r.status_code == 200
             prompt_tokens += r.json()["usage"]["prompt_tokens"]
         for _ in range(2):  # streamed to the end of the reply: finish_reason stop
-            r = await c.post("/v1/completions", json={
-                "model": MODEL, "prompt": "abc", "stream": True, "stream_options": {"include_usage": True}})
+            r = await c.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "abc", "stream": True, "stream_options": {"include_usage": True}},
+            )
             assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
             prompt_tokens += len(encode("abc"))
         # Two prompts in one request: two engine requests of 3 tokens each.
@@ -47,7 +51,9 @@ async def test_counters_and_histograms_equal_a_known_workload(fake):
         prompt_tokens += r.json()["usage"]["prompt_tokens"]
         # Refused requests never reach the request metrics.
         assert (await c.post("/v1/completions", json={"model": "nope", "prompt": "a"})).status_code == 404
-        assert (await c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 999})).status_code == 400
+        assert (
+            await c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 999})
+        ).status_code == 400
         text = (await c.get("/metrics")).text
 
     m = parse(text)
@@ -59,15 +65,21 @@ async def test_counters_and_histograms_equal_a_known_workload(fake):
     assert value(m, "servelm:prompt_tokens_total", model_name=MODEL) == prompt_tokens
     # The fake emits one token per output: every output after the first is one inter-token gap.
     assert value(m, "servelm:inter_token_latency_seconds_count", model_name=MODEL) == generated - requests
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prompt_tokens", "request_generation_tokens"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert value(m, f"servelm:{name}_count", model_name=MODEL) == requests, name
     assert value(m, "servelm:request_queue_time_seconds_sum", model_name=MODEL) == pytest.approx(requests * QUEUE_TIME)
     assert value(m, "servelm:request_prompt_tokens_sum", model_name=MODEL) == prompt_tokens
     assert value(m, "servelm:request_generation_tokens_sum", model_name=MODEL) == generated
     # A first token comes no later than the last: TTFT sums to at most the end-to-end sum.
     assert value(m, "servelm:time_to_first_token_seconds_sum", model_name=MODEL) <= value(
-        m, "servelm:e2e_request_latency_seconds_sum", model_name=MODEL)
+        m, "servelm:e2e_request_latency_seconds_sum", model_name=MODEL
+    )
     http = "servelm:http_requests_total"
     assert value(m, http, method="POST", route="/v1/chat/completions", status="200") == 3
     assert value(m, http, method="POST", route="/v1/completions", status="200") == 3
@@ -79,9 +91,20 @@ async def test_counters_and_histograms_equal_a_known_workload(fake):
 async def test_engine_figures_come_from_the_connector_at_each_scrape():
     class Busy(FakeConnector):
         async def engine_stats(self):
-            return [EngineStats(MODEL, num_running=3, num_waiting=5, kv_cache_usage=0.25,
-                                prefix_cache_queries=640, prefix_cache_hits=128, num_preemptions=2,
-                                spec_decode_drafts=7, spec_decode_draft_tokens=28, spec_decode_accepted_tokens=19)]
+            return [
+                EngineStats(
+                    MODEL,
+                    num_running=3,
+                    num_waiting=5,
+                    kv_cache_usage=0.25,
+                    prefix_cache_queries=640,
+                    prefix_cache_hits=128,
+                    num_preemptions=2,
+                    spec_decode_drafts=7,
+                    spec_decode_draft_tokens=28,
+                    spec_decode_accepted_tokens=19,
+                )
+            ]
 
     fake = Busy()
     async with make_client(make_app(fake)) as c:

@@ -15,10 +15,24 @@ async def test_models(client):
     assert r.json() == {
         "object": "list",
         "data": [
-            {"id": "fake-chat", "object": "model", "created": 1700000000, "owned_by": "servelm",
-             "root": "/models/fake-chat.gguf", "parent": None, "max_model_len": 256},
-            {"id": "fake-embed", "object": "model", "created": 1700000000, "owned_by": "servelm",
-             "root": "/models/fake-embed", "parent": None, "max_model_len": 32},
+            {
+                "id": "fake-chat",
+                "object": "model",
+                "created": 1700000000,
+                "owned_by": "servelm",
+                "root": "/models/fake-chat.gguf",
+                "parent": None,
+                "max_model_len": 256,
+            },
+            {
+                "id": "fake-embed",
+                "object": "model",
+                "created": 1700000000,
+                "owned_by": "servelm",
+                "root": "/models/fake-embed",
+                "parent": None,
+                "max_model_len": 32,
+            },
         ],
     }
 
@@ -41,12 +55,12 @@ async def test_tokenize_prompt(client, prefix):
 
 
 async def test_tokenize_messages_matches_chat_rendering(client, fake):
-    r = await client.post(
-        "/tokenize", json={"model": "fake-chat", "messages": [{"role": "user", "content": "x"}]}
-    )
+    r = await client.post("/tokenize", json={"model": "fake-chat", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 200
     assert r.json()["tokens"] == encode("<|user|>x\n<|assistant|>", add_special_tokens=False)
-    r = await client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False})
+    r = await client.post(
+        "/tokenize", json={"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}
+    )
     assert r.json()["tokens"] == encode("<|user|>x\n", add_special_tokens=False)
 
 
@@ -124,7 +138,9 @@ async def test_replicas_lists_each_replica(client, fake):
     body = r.json()
     assert body["object"] == "list" and body["serving"] == 1
     assert [(d["replica"], d["state"], d["running"], d["waiting"], d["kv_cache_usage"]) for d in body["data"]] == [
-        ("a", "RUNNING", 2, 1, 0.5), ("b", "UNRESPONSIVE", 0, 0, 0.0)]
+        ("a", "RUNNING", 2, 1, 0.5),
+        ("b", "UNRESPONSIVE", 0, 0, 0.0),
+    ]
 
 
 async def test_metrics_show_each_replica_and_the_sum(client, fake):

@@ -28,7 +28,9 @@ def sync_client(live_server):
 
 
 async def test_async_chat(async_client):
-    r = await async_client.chat.completions.create(model="fake-chat", messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=1)
+    r = await async_client.chat.completions.create(
+        model="fake-chat", messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=1
+    )
     assert r.choices[0].message.content == "Hello"
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 5
@@ -62,8 +64,12 @@ async def test_async_completions_and_embeddings(async_client):
     # The client asks for base64 by default and decodes it.
     e = await async_client.embeddings.create(model="fake-embed", input=["ab", "c"])
     assert len(e.data) == 2 and len(e.data[0].embedding) == 4
-    assert e.data[0].embedding == pytest.approx((await async_client.embeddings.create(
-        model="fake-embed", input="ab", encoding_format="float")).data[0].embedding, rel=1e-6)
+    assert e.data[0].embedding == pytest.approx(
+        (await async_client.embeddings.create(model="fake-embed", input="ab", encoding_format="float"))
+        .data[0]
+        .embedding,
+        rel=1e-6,
+    )
     models = await async_client.models.list()
     assert [m.id for m in models.data] == ["fake-chat", "fake-embed"]
 

@@ -17,8 +17,8 @@ from servelm import cli
 from servelm.api import create_app
 from servelm.api.ratelimit import (
     ClockedMemoryStorage,
-    RateLimitExceeded,
     RateLimiter,
+    RateLimitExceeded,
     RateLimitMiddleware,
     RateLimitTicket,
     format_duration,
@@ -139,7 +139,9 @@ async def test_every_limited_endpoint_counts_and_others_do_not(fake, clock):
             r = await c.get("/v1/models")
             assert r.status_code == 200 and limit_headers(r, "requests") is None
         assert (await c.post("/tokenize", json={"model": "fake-chat", "prompt": "x"})).status_code == 200
-        assert (await c.post("/v1/completions", json={"model": "fake-chat", "prompt": "x", "max_tokens": 2})).status_code == 200
+        assert (
+            await c.post("/v1/completions", json={"model": "fake-chat", "prompt": "x", "max_tokens": 2})
+        ).status_code == 200
         assert (await c.post("/v1/embeddings", json={"model": "fake-embed", "input": "x"})).status_code == 200
         r = await c.post("/v1/chat/completions", json={"messages": "not a list"})
         assert r.status_code == 400  # admitted by the limiter, then invalid: it counted
@@ -223,9 +225,17 @@ async def held_stream(fake, app, body: dict) -> tuple[asyncio.Task, dict[str, st
         sent.append(message)
 
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
-        "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 5000),
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 5000),
         "server": ("testserver", 80),
     }
     task = asyncio.create_task(app(scope, receive, send))
@@ -292,7 +302,9 @@ async def test_reservation_covers_every_choice_and_prompt(fake, clock):
 
 async def test_no_max_tokens_reserves_up_to_the_context(fake, clock):
     async with make_client(limited_app(fake, clock, {"tokens_per_minute": fake.max_model_len - 1})) as c:
-        r = await c.post("/v1/chat/completions", json={"model": "fake-chat", "messages": [{"role": "user", "content": "x"}]})
+        r = await c.post(
+            "/v1/chat/completions", json={"model": "fake-chat", "messages": [{"role": "user", "content": "x"}]}
+        )
         assert r.status_code == 429
         assert f"Requested {fake.max_model_len}" in r.json()["error"]["message"]
 
@@ -319,7 +331,9 @@ async def test_embeddings_are_charged_their_tokens(fake, clock):
 
 async def test_per_key_limits_and_overrides(fake, clock):
     keys = {"k2": {"requests_per_minute": 3}, "k3": {"requests_per_minute": None}}
-    app = limited_app(fake, clock, {"requests_per_minute": 1, "tokens_per_minute": 500}, keys, api_keys=["k1", "k2", "k3"])
+    app = limited_app(
+        fake, clock, {"requests_per_minute": 1, "tokens_per_minute": 500}, keys, api_keys=["k1", "k2", "k3"]
+    )
 
     async def statuses(c: httpx.AsyncClient, key: str, count: int) -> list[int]:
         auth = {"Authorization": f"Bearer {key}"}
@@ -387,7 +401,9 @@ def test_tokens_follow_a_fixed_window_model(ops):
 
     async def run() -> None:
         clock = Clock()
-        limiter = RateLimiter(RateLimits(default={"tokens_per_minute": limit}), ClockedMemoryStorage(clock), clock=clock)
+        limiter = RateLimiter(
+            RateLimits(default={"tokens_per_minute": limit}), ClockedMemoryStorage(clock), clock=clock
+        )
         end, count = -1.0, 0  # the model: the open window's end and its count
         open_tickets: list[tuple[RateLimitTicket, int, float]] = []
         for wait, reserve, used, settle_now in ops:
@@ -463,8 +479,20 @@ async def test_clocked_storage_expires_and_sweeps():
 
 @pytest.mark.parametrize(
     "seconds,text",
-    [(0, "0s"), (0.0004, "0s"), (0.02, "20ms"), (0.9996, "1s"), (1, "1s"), (1.5, "1.5s"), (8.64, "8.64s"),
-     (60, "1m0s"), (360, "6m0s"), (61.25, "1m1.25s"), (3723, "1h2m3s"), (-3, "0s")],
+    [
+        (0, "0s"),
+        (0.0004, "0s"),
+        (0.02, "20ms"),
+        (0.9996, "1s"),
+        (1, "1s"),
+        (1.5, "1.5s"),
+        (8.64, "8.64s"),
+        (60, "1m0s"),
+        (360, "6m0s"),
+        (61.25, "1m1.25s"),
+        (3723, "1h2m3s"),
+        (-3, "0s"),
+    ],
 )
 def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
@@ -501,7 +529,9 @@ def test_a_bad_override_is_named_as_a_config_entry(tmp_path, capsys):
     config.write_text("rate_limits: {keys: {10.0.0.1: {tokens_per_minute: -5}}}\n")
     with pytest.raises(SystemExit):
         load(["--config", str(config)])
-    assert "'rate_limits.keys.10.0.0.1.tokens_per_minute' (config file / SERVELM_RATE_LIMITS)" in capsys.readouterr().err
+    assert (
+        "'rate_limits.keys.10.0.0.1.tokens_per_minute' (config file / SERVELM_RATE_LIMITS)" in capsys.readouterr().err
+    )
 
 
 def test_rate_limits_from_the_environment(monkeypatch):
@@ -536,5 +566,5 @@ def test_a_storage_without_its_client_library_exits_2(capsys):
 def test_override_for_an_unknown_key_is_refused():
     with pytest.raises(ValidationError, match=r"not one of api_keys \(ending \.\.\.typo\)"):
         Settings(api_keys=["k1"], rate_limits={"keys": {"k1-typo": {"requests_per_minute": 1}}})
-    with pytest.raises(ValidationError, match="unrecognised|extra"):
+    with pytest.raises(ValidationError, match=r"unrecognised|extra"):
         Settings(rate_limits={"default": {"rpm": 1}})

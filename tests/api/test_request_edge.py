@@ -111,8 +111,17 @@ async def test_every_optional_field_accepts_null_as_its_default(client, path, na
 
 def test_the_walk_covers_the_fields_the_issue_names():
     walked = {(p, n) for p, n, _ in OPTIONAL_FIELDS}
-    for name in ("n", "min_tokens", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                 "add_generation_prompt", "stream", "logit_bias", "stop_token_ids"):
+    for name in (
+        "n",
+        "min_tokens",
+        "ignore_eos",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "add_generation_prompt",
+        "stream",
+        "logit_bias",
+        "stop_token_ids",
+    ):
         assert ("/v1/chat/completions", name) in walked
     assert ("/v1/embeddings", "encoding_format") in walked
 

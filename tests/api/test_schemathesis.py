@@ -77,9 +77,7 @@ def test_no_server_errors(case):
 
 
 def _has_surrogate(value: Any) -> bool:
-    return any(
-        any(0xD800 <= ord(c) <= 0xDFFF for c in _get(value, p)) for p in _string_paths(value)
-    )
+    return any(any(0xD800 <= ord(c) <= 0xDFFF for c in _get(value, p)) for p in _string_paths(value))
 
 
 def _get(value: Any, path: tuple) -> Any:

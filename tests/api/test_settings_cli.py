@@ -39,7 +39,12 @@ def write(tmp_path: Path, data: object) -> str:
 
 def test_defaults():
     s = load([])
-    assert (s.model, s.embedding_model, s.host, s.port) == ("smollm2-135m-instruct", "all-minilm-l6-v2", "127.0.0.1", 8000)
+    assert (s.model, s.embedding_model, s.host, s.port) == (
+        "smollm2-135m-instruct",
+        "all-minilm-l6-v2",
+        "127.0.0.1",
+        8000,
+    )
     assert s.api_keys == [] and s.cors_origins == [] and s.metrics_require_auth is False
     assert s.engine_config() == EngineConfig()
 
@@ -68,7 +73,9 @@ def test_config_from_env(tmp_path, monkeypatch):
 
 def test_lists_from_every_source(tmp_path, monkeypatch):
     assert load(["--api-key", "a", "--api-key", "b"]).api_keys == ["a", "b"]
-    assert load(["--config", write(tmp_path, {"api_keys": ["f"], "cors_origins": "http://a, http://b"})]).cors_origins == [
+    assert load(
+        ["--config", write(tmp_path, {"api_keys": ["f"], "cors_origins": "http://a, http://b"})]
+    ).cors_origins == [
         "http://a",
         "http://b",
     ]
@@ -78,23 +85,62 @@ def test_lists_from_every_source(tmp_path, monkeypatch):
 
 def test_engine_flags_build_the_engine_config(tmp_path):
     s = load(
-        ["--dtype", "float32", "--device", "cpu", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-         "--max-model-len", "1024", "--kv-cache-memory", "0.25", "--block-size", "32", "--no-prefix-caching",
-         "--seed", "7"]
+        [
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory",
+            "0.25",
+            "--block-size",
+            "32",
+            "--no-prefix-caching",
+            "--seed",
+            "7",
+        ]
     )
     assert s.engine_config() == EngineConfig(
-        dtype="float32", device="cpu", block_size=32, max_num_seqs=8, max_num_batched_tokens=512,
-        max_model_len=1024, kv_cache_memory=0.25, enable_prefix_caching=False, seed=7,
+        dtype="float32",
+        device="cpu",
+        block_size=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        max_model_len=1024,
+        kv_cache_memory=0.25,
+        enable_prefix_caching=False,
+        seed=7,
     )
 
 
 def test_speculative_flags_build_the_engine_config():
-    s = load(["--speculative-method", "draft", "--speculative-model", "smollm2-135m-instruct",
-              "--num-speculative-tokens", "6", "--speculative-ngram-min", "2", "--speculative-ngram-max", "3",
-              "--speculative-max-batch-size", "8"])
+    s = load(
+        [
+            "--speculative-method",
+            "draft",
+            "--speculative-model",
+            "smollm2-135m-instruct",
+            "--num-speculative-tokens",
+            "6",
+            "--speculative-ngram-min",
+            "2",
+            "--speculative-ngram-max",
+            "3",
+            "--speculative-max-batch-size",
+            "8",
+        ]
+    )
     config = s.engine_config()
     assert (config.speculative_method, config.speculative_model, config.num_speculative_tokens) == (
-        "draft", "smollm2-135m-instruct", 6)
+        "draft",
+        "smollm2-135m-instruct",
+        6,
+    )
     assert (config.speculative_ngram_min, config.speculative_ngram_max, config.speculative_max_batch_size) == (2, 3, 8)
     assert load(["--speculative-method", "ngram", "--speculative-model", "none"]).engine_config().speculative
 
@@ -113,7 +159,15 @@ def test_chat_template_must_exist(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "value,expected",
-    [("0.5", 0.5), ("1073741824", 1073741824), ("4GiB", 4 << 30), ("512MB", 512 * 10**6), ("2k", 2000), (0.5, 0.5), (1, 1)],
+    [
+        ("0.5", 0.5),
+        ("1073741824", 1073741824),
+        ("4GiB", 4 << 30),
+        ("512MB", 512 * 10**6),
+        ("2k", 2000),
+        (0.5, 0.5),
+        (1, 1),
+    ],
 )
 def test_parse_memory(value, expected):
     assert parse_memory(value) == expected
@@ -330,7 +384,9 @@ def test_serve_listens_while_loading_then_drains_on_sigterm(tmp_path, monkeypatc
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     out = io.StringIO()
-    rc = server.serve(Settings(model=str(model), embedding_model=None, port=0, max_num_seqs=5, log_level="warning"), out=out)
+    rc = server.serve(
+        Settings(model=str(model), embedding_model=None, port=0, max_num_seqs=5, log_level="warning"), out=out
+    )
     assert rc == 0
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("servelm: loading ")
@@ -372,7 +428,9 @@ def test_config_file_and_deploy_table_are_made_from_the_settings():
     """servelm.yaml and docs/DEPLOY.md's settings table are what the settings model's descriptions make."""
     from servelm import settings_doc
 
-    assert settings_doc.YAML_PATH.read_text() == settings_doc.render_yaml(), "run python -m servelm.settings_doc --write"
+    assert settings_doc.YAML_PATH.read_text() == settings_doc.render_yaml(), (
+        "run python -m servelm.settings_doc --write"
+    )
     doc = settings_doc.DEPLOY_PATH.read_text()
     assert doc == settings_doc.deploy_doc_with_table(doc), "run python -m servelm.settings_doc --write"
     table = settings_doc.render_table()

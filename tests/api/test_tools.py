@@ -62,8 +62,11 @@ async def test_auto_reply_with_a_call(client, fake):
             "content": None,
             "refusal": None,
             "tool_calls": [
-                {"id": "call_test", "type": "function",
-                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {
+                    "id": "call_test",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
             ],
         },
         "logprobs": None,
@@ -81,7 +84,9 @@ async def test_text_before_the_calls_is_the_content(client, fake):
     message = r.json()["choices"][0]["message"]
     assert message["content"] == "Let me check both."
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
-        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+        ("get_weather", '{"city": "Paris"}'),
+        ("get_time", "{}"),
+    ]
 
 
 async def test_a_reply_without_calls_is_plain_text(client, fake):
@@ -105,10 +110,15 @@ async def test_streamed_calls_arrive_as_openai_streams_them_and_assemble_to_the_
         assert deltas[0] == {"role": "assistant", "content": ""}
         assert deltas[-1] == {}
         pieces = [p for d in deltas for p in d.get("tool_calls", [])]
-        assert pieces[0] == {"index": 0, "id": "call_test", "type": "function",
-                             "function": {"name": "get_weather", "arguments": ""}}
-        assert all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"}
-                   for p in pieces if "id" not in p)
+        assert pieces[0] == {
+            "index": 0,
+            "id": "call_test",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": ""},
+        }
+        assert all(
+            set(p) == {"index", "function"} and set(p["function"]) == {"arguments"} for p in pieces if "id" not in p
+        )
         assert len([p for p in pieces if p["index"] == 0]) > 2  # the arguments stream in several pieces
         finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["index"] == index]
         assert finishes[-1] == "tool_calls" and not any(finishes[:-1])
@@ -117,8 +127,10 @@ async def test_streamed_calls_arrive_as_openai_streams_them_and_assemble_to_the_
         got = streamed[choice["index"]]
         assert got["content"] == choice["message"]["content"]
         assert got["finish_reason"] == choice["finish_reason"] == "tool_calls"
-        assert [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                for c in got["tool_calls"].values()] == choice["message"]["tool_calls"]
+        assert [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in got["tool_calls"].values()
+        ] == choice["message"]["tool_calls"]
 
 
 async def test_tool_choice_none_offers_the_tools_but_never_parses(client, fake):
@@ -146,7 +158,8 @@ async def test_a_named_function_is_forced_and_ends_with_stop_as_openai_does(clie
     assert choice["finish_reason"] == "stop"
     # One call of that function only (the grammar itself is tested with xgrammar in tests/engine).
     assert forcing_grammar(fake) == get_format("hermes").structural_tag(
-        [("get_weather", WEATHER["function"]["parameters"])], one_call=True)
+        [("get_weather", WEATHER["function"]["parameters"])], one_call=True
+    )
 
 
 async def test_required_is_forced_and_ends_with_tool_calls(client, fake):
@@ -172,13 +185,20 @@ async def test_auto_and_none_are_not_forced(client, fake):
 async def test_a_grammar_the_engine_cannot_compile_names_tools(fake):
     from servelm.connectors.base import ConnectorError
 
-    fake.raise_on_start = ConnectorError("structured_outputs.structural_tag is not a valid structural tag",
-                                         param="structured_outputs.structural_tag", code="invalid_structured_output")
+    fake.raise_on_start = ConnectorError(
+        "structured_outputs.structural_tag is not a valid structural tag",
+        param="structured_outputs.structural_tag",
+        code="invalid_structured_output",
+    )
     async with make_client(make_app(fake)) as client:
         r = await chat(client, tools=[WEATHER], tool_choice="required")
     assert r.status_code == 400
-    assert r.json()["error"] == {"message": "tools is not a valid structural tag", "type": "invalid_request_error",
-                                 "param": "tools", "code": "invalid_structured_output"}
+    assert r.json()["error"] == {
+        "message": "tools is not a valid structural tag",
+        "type": "invalid_request_error",
+        "param": "tools",
+        "code": "invalid_structured_output",
+    }
 
 
 async def test_parallel_tool_calls_false_keeps_the_first_call(client, fake):
@@ -246,25 +266,75 @@ async def test_a_tool_result_round_trips_to_the_template(client, fake):
         ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools[0].function.name"),
         ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}]},
-         "tools[0].function.parameters"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"minimum": "zero"}}}}}]}, "tools[0].function.parameters"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
-         "tools[0].function.parameters"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
-         "tools[0].function.parameters"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"minimum": "zero"}}},
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+            "tools[0].function.parameters",
+        ),
         ({"tools": [TIME], "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-        ({"tools": [TIME, {"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}], "tool_choice": "required"},
-         "tools[1].function.parameters"),
+        (
+            {
+                "tools": [
+                    TIME,
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+                        },
+                    },
+                ],
+                "tool_choice": "required",
+            },
+            "tools[1].function.parameters",
+        ),
         ({"messages": [{"role": "tool", "content": "21 C"}]}, "messages[0].tool_call_id"),
-        ({"messages": [{"role": "user", "content": "x", "tool_calls": [
-            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
-        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": "1", "type": "function", "function": {"name": "f", "arguments": {}}}]}]},
-         "messages[0].tool_calls[0].function.arguments"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "x",
+                        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {}}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
     ],
 )
 async def test_bad_tool_fields_are_400_naming_the_field(client, fake, body, param):
@@ -285,14 +355,19 @@ async def test_the_openai_client_reads_the_calls(live_server, fake):
 
     fake.reply_text = CALL_TEXT
     client = AsyncOpenAI(base_url=f"{live_server}/v1", api_key="unused")
-    reply = await client.chat.completions.create(model=CHAT_MODEL, messages=[{"role": "user", "content": "x"}],
-                                                 tools=[WEATHER])
+    reply = await client.chat.completions.create(
+        model=CHAT_MODEL, messages=[{"role": "user", "content": "x"}], tools=[WEATHER]
+    )
     call = reply.choices[0].message.tool_calls[0]
-    assert (call.id, call.function.name, json.loads(call.function.arguments)) == ("call_test", "get_weather",
-                                                                                  {"city": "Paris"})
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == (
+        "call_test",
+        "get_weather",
+        {"city": "Paris"},
+    )
     assert reply.choices[0].finish_reason == "tool_calls"
-    async with client.chat.completions.stream(model=CHAT_MODEL, messages=[{"role": "user", "content": "x"}],
-                                              tools=[WEATHER]) as stream:
+    async with client.chat.completions.stream(
+        model=CHAT_MODEL, messages=[{"role": "user", "content": "x"}], tools=[WEATHER]
+    ) as stream:
         final = await stream.get_final_completion()
     assert final.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
     await client.close()
@@ -305,6 +380,7 @@ async def test_tokenize_renders_tools_as_chat_does(client, fake):
     await chat(client, messages=messages, tools=[WEATHER])
     assert fake.template_calls[0] == fake.template_calls[1]
     assert fake.template_calls[0]["tools"] == [WEATHER] and fake.template_calls[0]["tool_call_parser"] == "hermes"
-    bad = await client.post("/tokenize", json={"messages": messages, "tools": [{"type": "function", "function": {
-        "name": "a b"}}]})
+    bad = await client.post(
+        "/tokenize", json={"messages": messages, "tools": [{"type": "function", "function": {"name": "a b"}}]}
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].function.name"

@@ -24,8 +24,14 @@ async def test_pages_are_served_with_a_strict_content_security_policy(client):
 async def test_the_pages_scripts_and_vendored_libraries_are_served(client):
     page = (await client.get("/")).text
     assert '<script type="module" src="/static/js/chat.js"></script>' in page
-    for path in ("/static/js/chat.js", "/static/js/status.js", "/static/vendor/marked.esm.js",
-                 "/static/vendor/purify.es.mjs", "/static/vendor/highlight.min.js", "/static/vendor/uPlot.esm.js"):
+    for path in (
+        "/static/js/chat.js",
+        "/static/js/status.js",
+        "/static/vendor/marked.esm.js",
+        "/static/vendor/purify.es.mjs",
+        "/static/vendor/highlight.min.js",
+        "/static/vendor/uPlot.esm.js",
+    ):
         r = await client.get(path)
         assert r.status_code == 200, path
         assert "javascript" in r.headers["content-type"], path  # module scripts need a JS MIME type
@@ -57,8 +63,9 @@ async def test_no_web_serves_no_pages(fake):
 async def test_metrics_describe_the_model_kv_cache_and_uptime():
     class Described(FakeConnector):
         async def engine_stats(self):
-            return [EngineStats(CHAT_MODEL, dtype="bfloat16", device="cpu", kv_cache_tokens=4096,
-                                kv_cache_bytes=96 << 20)]
+            return [
+                EngineStats(CHAT_MODEL, dtype="bfloat16", device="cpu", kv_cache_tokens=4096, kv_cache_bytes=96 << 20)
+            ]
 
     async with make_client(make_app(Described())) as c:
         m = parse((await c.get("/metrics")).text)

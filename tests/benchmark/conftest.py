@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
-
 from api.conftest import ThreadedServer
 from api.fake_connector import FakeConnector
+
 from servelm.api import create_app
 from servelm.connectors.base import ConnectorError
 from servelm.engine.outputs import RequestOutput
@@ -47,7 +47,9 @@ class PacedFake(FakeConnector):
         action = self.pattern[self.calls % len(self.pattern)]
         self.calls += 1
         if action == "429":
-            raise ConnectorError("Too many requests, slow down.", status=429, type="rate_limit_error", code="rate_limited")
+            raise ConnectorError(
+                "Too many requests, slow down.", status=429, type="rate_limit_error", code="rate_limited"
+            )
         if action == "500":
             raise RuntimeError("engine exploded")
         sent = 0

@@ -32,10 +32,31 @@ def test_two_levels_end_to_end(endpoint, serve_fake, tmp_path, capsys):
     url = serve_fake(fake)
     result_json, png = tmp_path / "result.json", tmp_path / "plot.png"
     code = bench(
-        "--base-url", url + "/v1", "--endpoint", endpoint,
-        "--num-prompts", "20", "--concurrency", "1,4", "--input-len", "32", "--output-len-range", "4:12",
-        "--warmup", "2", "--seed", "3", "--goodput", "ttft:5000", "tpot:5000",
-        "--result-json", str(result_json), "--save-detailed", "--plot", str(png), "--progress",
+        "--base-url",
+        url + "/v1",
+        "--endpoint",
+        endpoint,
+        "--num-prompts",
+        "20",
+        "--concurrency",
+        "1,4",
+        "--input-len",
+        "32",
+        "--output-len-range",
+        "4:12",
+        "--warmup",
+        "2",
+        "--seed",
+        "3",
+        "--goodput",
+        "ttft:5000",
+        "tpot:5000",
+        "--result-json",
+        str(result_json),
+        "--save-detailed",
+        "--plot",
+        str(png),
+        "--progress",
     )
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -56,7 +77,14 @@ def test_two_levels_end_to_end(endpoint, serve_fake, tmp_path, capsys):
     assert [(lv["concurrency"], lv["request_rate"]) for lv in doc["levels"]] == [(1, None), (4, None)]
     for level in doc["levels"]:
         assert level["completed"] == 20 and level["failed"] == 0 and level["errors"] == {}
-        for key in ("duration_s", "request_throughput", "output_throughput", "total_token_throughput", "goodput", "client_cpu_percent"):
+        for key in (
+            "duration_s",
+            "request_throughput",
+            "output_throughput",
+            "total_token_throughput",
+            "goodput",
+            "client_cpu_percent",
+        ):
             assert level[key] > 0, key
         for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
             assert set(level[metric]) == {"count", "mean", "std", "median", "p90", "p99", "min", "max"}
@@ -89,8 +117,21 @@ def test_failures_are_counted_and_the_run_goes_on(serve_fake, tmp_path, capsys):
     fake = PacedFake(pattern=["ok", "429", "ok", "500", "stream"])
     url = serve_fake(fake)
     result_json = tmp_path / "r.json"
-    code = bench("--base-url", url, "--num-prompts", "20", "--concurrency", "4", "--output-len", "6",
-                 "--input-len", "8", "--result-json", str(result_json), "--no-progress")
+    code = bench(
+        "--base-url",
+        url,
+        "--num-prompts",
+        "20",
+        "--concurrency",
+        "4",
+        "--output-len",
+        "6",
+        "--input-len",
+        "8",
+        "--result-json",
+        str(result_json),
+        "--no-progress",
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     level = json.loads(result_json.read_text())["levels"][0]
@@ -127,8 +168,23 @@ def test_prompt_file_chat_at_a_request_rate_with_a_cap(serve_fake, tmp_path, cap
     url = serve_fake(fake)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Name a planet."}\n{"prompt": "What is 2+2?"}\nWrite a haiku.\n')
-    code = bench("--base-url", url, "--endpoint", "chat", "--prompt-file", str(prompts), "--num-prompts", "6",
-                 "--request-rate", "200", "--concurrency", "2", "--output-len", "5", "--no-progress")
+    code = bench(
+        "--base-url",
+        url,
+        "--endpoint",
+        "chat",
+        "--prompt-file",
+        str(prompts),
+        "--num-prompts",
+        "6",
+        "--request-rate",
+        "200",
+        "--concurrency",
+        "2",
+        "--output-len",
+        "5",
+        "--no-progress",
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     assert any(line.startswith("r=200,c=2 ") for line in out.splitlines())
@@ -140,7 +196,19 @@ def test_prompt_file_chat_at_a_request_rate_with_a_cap(serve_fake, tmp_path, cap
 
 def test_api_key_from_the_environment(serve_fake, monkeypatch, capsys):
     url = serve_fake(PacedFake(), api_keys=["sk-bench"])
-    args = ("--base-url", url, "--model", "fake-chat", "--num-prompts", "2", "--output-len", "3", "--input-len", "4", "--no-progress")
+    args = (
+        "--base-url",
+        url,
+        "--model",
+        "fake-chat",
+        "--num-prompts",
+        "2",
+        "--output-len",
+        "3",
+        "--input-len",
+        "4",
+        "--no-progress",
+    )
     assert bench(*args) == 1  # no key: every request is refused
     assert "HTTP 401" in capsys.readouterr().out
     monkeypatch.setenv("OPENAI_API_KEY", "sk-bench")
@@ -155,7 +223,16 @@ def test_help(capsys):
         main(["bench", "serve", "--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--base-url", "--endpoint", "--concurrency", "--request-rate", "--goodput", "--result-json", "--plot", "--warmup"):
+    for flag in (
+        "--base-url",
+        "--endpoint",
+        "--concurrency",
+        "--request-rate",
+        "--goodput",
+        "--result-json",
+        "--plot",
+        "--warmup",
+    ):
         assert flag in out
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--help"])
@@ -214,8 +291,19 @@ def test_bench_imports_no_torch_or_matplotlib():
 
 def test_an_unwritable_result_file_is_reported(serve_fake, tmp_path, capsys):
     url = serve_fake(PacedFake())
-    code = bench("--base-url", url, "--num-prompts", "2", "--output-len", "3", "--input-len", "4", "--no-progress",
-                 "--result-json", str(tmp_path / "missing-dir" / "r.json"))
+    code = bench(
+        "--base-url",
+        url,
+        "--num-prompts",
+        "2",
+        "--output-len",
+        "3",
+        "--input-len",
+        "4",
+        "--no-progress",
+        "--result-json",
+        str(tmp_path / "missing-dir" / "r.json"),
+    )
     out, err = capsys.readouterr()
     assert code == 1
     assert "c=1 " in out  # the table is printed all the same

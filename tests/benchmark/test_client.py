@@ -45,10 +45,19 @@ async def send(handler, endpoint: str = "completions", timeout: float | None = 5
 def test_request_body_for_each_endpoint():
     body = request_body("completions", "m", REQ, SamplingOptions())
     assert body == {
-        "model": "m", "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True},
+        "model": "m",
+        "prompt": [5, 6, 7],
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
-    chat = request_body("chat", "m", BenchRequest("hi", None, 9), SamplingOptions(ignore_eos=False, send_min_tokens=True, temperature=0.0))
+    chat = request_body(
+        "chat",
+        "m",
+        BenchRequest("hi", None, 9),
+        SamplingOptions(ignore_eos=False, send_min_tokens=True, temperature=0.0),
+    )
     assert chat["messages"] == [{"role": "user", "content": "hi"}]
     assert chat["max_tokens"] == 9 and chat["min_tokens"] == 9 and chat["temperature"] == 0.0
     assert "ignore_eos" not in chat and "prompt" not in chat
@@ -78,7 +87,9 @@ async def test_completion_stream_with_usage_counts_tokens_from_usage():
 async def test_chat_stream_skips_the_role_chunk():
     def handler(request: httpx.Request) -> httpx.Response:
         assert request.url.path == "/v1/chat/completions"
-        return httpx.Response(200, content=sse(chat_chunk(None, role="assistant"), chat_chunk("x"), chat_chunk("y"), USAGE))
+        return httpx.Response(
+            200, content=sse(chat_chunk(None, role="assistant"), chat_chunk("x"), chat_chunk("y"), USAGE)
+        )
 
     r = await send(handler, endpoint="chat", req=BenchRequest("hello", None, 4))
     assert r.error is None and r.output_tokens == 4 and len(r.itl) == 1
@@ -96,9 +107,15 @@ async def test_without_usage_content_chunks_are_counted():
 @pytest.mark.parametrize(
     ("response", "expected"),
     [
-        (httpx.Response(429, json={"error": {"message": "Rate limit reached", "type": "rate_limit_error"}}), "HTTP 429: Rate limit reached"),
+        (
+            httpx.Response(429, json={"error": {"message": "Rate limit reached", "type": "rate_limit_error"}}),
+            "HTTP 429: Rate limit reached",
+        ),
         (httpx.Response(502, text="<html>bad gateway</html>"), "HTTP 502: <html>bad gateway</html>"),
-        (httpx.Response(200, content=sse(text_chunk("a"), {"error": {"message": "engine failed"}})), "stream error: engine failed"),
+        (
+            httpx.Response(200, content=sse(text_chunk("a"), {"error": {"message": "engine failed"}})),
+            "stream error: engine failed",
+        ),
         (httpx.Response(200, content=sse(text_chunk("a"), text_chunk("b"), done=False)), "stream ended without [DONE]"),
         (httpx.Response(200, content=sse(USAGE)), "no content in the stream"),
         (httpx.Response(200, content=b"data: {not json\n\n"), "bad response: JSONDecodeError"),

@@ -37,7 +37,9 @@ def _write(folder: Path, name: str, levels: list[dict]) -> Path:
 
 
 def _rows(table: str) -> dict[str, list[str]]:
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("|")]
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("|")
+    ]
     return {row[0]: row[1:] for row in rows}
 
 
@@ -56,7 +58,9 @@ def test_table_has_a_row_per_server_and_ratios_to_servelm(tmp_path: Path, capsys
     assert rows["vllm-cpu"] == ["50.0", "20.0", "30.0", "200.0", "40.0", "90.0", "2.00x", "1.50x"]
 
 
-def test_missing_levels_metrics_and_bad_files_show_as_dashes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_levels_metrics_and_bad_files_show_as_dashes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     servelm = _write(tmp_path, "servelm", [_level(1, 100.0, 10.0, 15.0), _level(32, 400.0, 50.0, 80.0)])
     partial = _level(1, 80.0, 12.0, 14.0, failed=2)
     del partial["itl_ms"]
@@ -97,8 +101,16 @@ TINY_CONFIG = {
     "vocab_size": 10,
     "tie_word_embeddings": True,
 }
-LIMITS = {"cpu": "Test CPU", "threads": 2, "bf16_gemm_flops": 6.4e9, "bf16_gemm_how": "F.linear bf16 8x8x8",
-          "int8_gemm_ops": 3.2e10, "int8_gemm_how": "torch._int_mm 8x8x8", "read_bytes_per_s": 4e9, "read_how": "sum"}
+LIMITS = {
+    "cpu": "Test CPU",
+    "threads": 2,
+    "bf16_gemm_flops": 6.4e9,
+    "bf16_gemm_how": "F.linear bf16 8x8x8",
+    "int8_gemm_ops": 3.2e10,
+    "int8_gemm_how": "torch._int_mm 8x8x8",
+    "read_bytes_per_s": 4e9,
+    "read_how": "sum",
+}
 
 
 def _tiny_level(tpot_ms: float) -> dict:
@@ -136,7 +148,9 @@ def _tables(out: str) -> list[dict[str, list[str]]]:
     return tables
 
 
-def test_limits_table_puts_each_level_against_the_machines_limits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_limits_table_puts_each_level_against_the_machines_limits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # A decoding step reads the 200 weights and one sequence's K/V at context 3 + 2/2 = 4
     # (1 layer x K and V x 4 dims x 2 bytes = 16 bytes a token): 400 + 64 = 464 bytes in
     # bfloat16, 200 + 64 = 264 in int8. Over a TPOT of 0.464 us: 1.0 GB/s, 25% of 4 GB/s.
@@ -147,9 +161,32 @@ def test_limits_table_puts_each_level_against_the_machines_limits(tmp_path: Path
     assert compare_table.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     _, limits = _tables(out)
-    assert limits["server"] == ["server", "weights", "c", "out tok/s", "TTFT p50 ms", "ITL p50 ms", "GFLOP/s",
-                                "of bf16 peak", "of int8 peak", "decode GB/s", "of read BW"]
-    assert limits["servelm bf16 1"] == ["servelm", "bf16", "1", "2000000.0", "0.5", "0.1", "3.2", "50.0%", "10.0%", "1.0", "25.0%"]
+    assert limits["server"] == [
+        "server",
+        "weights",
+        "c",
+        "out tok/s",
+        "TTFT p50 ms",
+        "ITL p50 ms",
+        "GFLOP/s",
+        "of bf16 peak",
+        "of int8 peak",
+        "decode GB/s",
+        "of read BW",
+    ]
+    assert limits["servelm bf16 1"] == [
+        "servelm",
+        "bf16",
+        "1",
+        "2000000.0",
+        "0.5",
+        "0.1",
+        "3.2",
+        "50.0%",
+        "10.0%",
+        "1.0",
+        "25.0%",
+    ]
     assert limits["servelm-int8 int8 1"][6:] == ["3.2", "50.0%", "10.0%", "1.0", "25.0%"]
     assert "bf16 GEMM 6.4 GFLOP/s (F.linear bf16 8x8x8)" in out
     assert "int8 GEMM 32.0 GOP/s (torch._int_mm 8x8x8)" in out
@@ -157,24 +194,40 @@ def test_limits_table_puts_each_level_against_the_machines_limits(tmp_path: Path
     assert "1 layers, hidden 4, 1 heads / 1 KV heads of 4, MLP 8, vocabulary 10" in out
 
 
-def test_memory_table_gives_idle_and_loaded_memory_beside_throughput(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_memory_table_gives_idle_and_loaded_memory_beside_throughput(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _write(tmp_path, "servelm", [_level(1, 100.0, 10.0, 15.0), _level(32, 400.0, 50.0, 80.0)])
     _write(tmp_path, "vllm-cpu", [_level(1, 50.0, 20.0, 30.0), _level(32, 300.0, 60.0, 90.0)])
     _write(tmp_path, "llama-server", [_level(1, 60.0, 20.0, 30.0)])
     mib = 2**20
-    _write_meta(tmp_path, {
-        "servelm": {"idle": {"rss_median": 2048 * mib, "pss_median": 1900 * mib, "processes_max": 1},
-                    "load": {"rss_max": 2500 * mib, "pss_max": 2400 * mib, "processes_max": 1}},
-        # RSS counts the pages vLLM's two processes share twice; PSS once.
-        "vllm-cpu": {"idle": {"rss_median": 6000 * mib, "pss_median": 5000 * mib, "processes_max": 2},
-                     "load": {"rss_max": 6100 * mib, "pss_max": None, "processes_max": 3}},
-    })
+    _write_meta(
+        tmp_path,
+        {
+            "servelm": {
+                "idle": {"rss_median": 2048 * mib, "pss_median": 1900 * mib, "processes_max": 1},
+                "load": {"rss_max": 2500 * mib, "pss_max": 2400 * mib, "processes_max": 1},
+            },
+            # RSS counts the pages vLLM's two processes share twice; PSS once.
+            "vllm-cpu": {
+                "idle": {"rss_median": 6000 * mib, "pss_median": 5000 * mib, "processes_max": 2},
+                "load": {"rss_max": 6100 * mib, "pss_max": None, "processes_max": 3},
+            },
+        },
+    )
 
     assert compare_table.main([str(tmp_path)]) == 0
     tables = _tables(capsys.readouterr().out)
     memory = tables[-1]
-    assert memory["server"] == ["server", "RSS idle MiB", "PSS idle MiB", "RSS load max MiB", "PSS load max MiB",
-                                "processes", "c=32 tok/s"]
+    assert memory["server"] == [
+        "server",
+        "RSS idle MiB",
+        "PSS idle MiB",
+        "RSS load max MiB",
+        "PSS load max MiB",
+        "processes",
+        "c=32 tok/s",
+    ]
     rows = {cells[0]: cells[1:] for key, cells in memory.items() if key != "server"}
     assert rows["servelm"] == ["2048", "1900", "2500", "2400", "1", "400.0"]
     assert rows["vllm-cpu"] == ["6000", "5000", "6100", "-", "3", "300.0"]
@@ -192,8 +245,16 @@ def test_without_meta_there_is_only_the_throughput_table(tmp_path: Path, capsys:
 
 @pytest.mark.parametrize(
     ("server", "weights"),
-    [("servelm", "bf16"), ("servelm-bf16", "bf16"), ("servelm-fp32", "fp32"), ("servelm-int8", "int8"),
-     ("vllm-cpu", "bf16"), ("llama-server", "f16"), ("llama-server-q8_0", "q8_0"), ("transformers-serve", "bf16")],
+    [
+        ("servelm", "bf16"),
+        ("servelm-bf16", "bf16"),
+        ("servelm-fp32", "fp32"),
+        ("servelm-int8", "int8"),
+        ("vllm-cpu", "bf16"),
+        ("llama-server", "f16"),
+        ("llama-server-q8_0", "q8_0"),
+        ("transformers-serve", "bf16"),
+    ],
 )
 def test_weight_format_follows_compare_sh_labels(server: str, weights: str) -> None:
     assert compare_table.weight_format(server) == weights

@@ -30,7 +30,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> dict
         folder = root / "model"
         export_shape.write_hf_folder(shape, model_path, folder)
         for qtype in ("F16", "Q8_0"):
-            export_shape.write_gguf(shape, f"tiny-{arch}", model_path, folder, root / f"model-{qtype.lower()}.gguf", qtype)
+            export_shape.write_gguf(
+                shape, f"tiny-{arch}", model_path, folder, root / f"model-{qtype.lower()}.gguf", qtype
+            )
         out[arch] = folder
     return out
 

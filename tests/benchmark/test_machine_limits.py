@@ -12,7 +12,9 @@ from benchmark.bench_scripts import bench_script
 machine_limits = bench_script("machine_limits")
 
 
-def test_small_run_writes_every_limit_with_how_it_was_reached(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_small_run_writes_every_limit_with_how_it_was_reached(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "limits.json"
     assert machine_limits.main(["--gemm", "64x32x48", "--read-mib", "4", "--repeats", "1", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -29,10 +31,14 @@ def test_small_run_writes_every_limit_with_how_it_was_reached(tmp_path: Path, ca
 
 def test_best_candidate_is_the_limit() -> None:
     M = machine_limits.Measurement
-    doc = machine_limits.summary([
-        M("bf16_gemm", "a", 1e9), M("bf16_gemm", "b", 3e9), M("int8_gemm", "c", None, "RuntimeError: no"),
-        M("read", "d", 2e9),
-    ])
+    doc = machine_limits.summary(
+        [
+            M("bf16_gemm", "a", 1e9),
+            M("bf16_gemm", "b", 3e9),
+            M("int8_gemm", "c", None, "RuntimeError: no"),
+            M("read", "d", 2e9),
+        ]
+    )
     assert (doc["bf16_gemm_flops"], doc["bf16_gemm_how"]) == (3e9, "b")
     assert (doc["int8_gemm_ops"], doc["int8_gemm_how"]) == (None, None)
     assert (doc["read_bytes_per_s"], doc["read_how"]) == (2e9, "d")

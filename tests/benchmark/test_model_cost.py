@@ -16,15 +16,29 @@ export_shape = bench_script("export_shape")
 ModelCost = model_cost.ModelCost
 
 SMOLLM2_135M = {
-    "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
-    "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
-    "tie_word_embeddings": True, "attention_bias": False,
+    "model_type": "llama",
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
 }
 
 
 def _tiny(architecture: str, tied: bool) -> LlamaConfig | Qwen2Config:
-    common = dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=tied)
+    common = dict(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
     return Qwen2Config(**common) if architecture == "qwen2" else LlamaConfig(**common, head_dim=4)
 
 
@@ -47,14 +61,22 @@ def test_smollm2_parameters() -> None:
 
 @pytest.mark.parametrize(("architecture", "tied"), [("llama", True), ("llama", False), ("qwen2", True)])
 @pytest.mark.parametrize(("prompt", "output"), [(7, 1), (5, 4)])
-def test_matmul_flops_match_what_torch_counts_in_generate(architecture: str, tied: bool, prompt: int, output: int) -> None:
+def test_matmul_flops_match_what_torch_counts_in_generate(
+    architecture: str, tied: bool, prompt: int, output: int
+) -> None:
     config = _tiny(architecture, tied)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(0, config.vocab_size, (1, prompt))
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output, min_new_tokens=output,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=output,
+            min_new_tokens=output,
+            do_sample=False,
+            pad_token_id=0,
+        )
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     matmuls = counts.get("aten.mm", 0) + counts.get("aten.addmm", 0)  # the linears; SDPA is not counted here
     cost = ModelCost.from_hf_config(config.to_dict())
@@ -71,10 +93,18 @@ def test_attention_flops_by_hand() -> None:
 
 
 @given(
-    layers=st.integers(1, 4), heads=st.integers(1, 4), kv_heads=st.integers(1, 4), head_dim=st.sampled_from([2, 4, 8]),
-    intermediate=st.integers(1, 64), vocab=st.integers(1, 1000), prompt=st.integers(1, 300), output=st.integers(1, 300),
+    layers=st.integers(1, 4),
+    heads=st.integers(1, 4),
+    kv_heads=st.integers(1, 4),
+    head_dim=st.sampled_from([2, 4, 8]),
+    intermediate=st.integers(1, 64),
+    vocab=st.integers(1, 1000),
+    prompt=st.integers(1, 300),
+    output=st.integers(1, 300),
 )
-def test_request_flops_is_the_sum_over_its_tokens(layers, heads, kv_heads, head_dim, intermediate, vocab, prompt, output) -> None:
+def test_request_flops_is_the_sum_over_its_tokens(
+    layers, heads, kv_heads, head_dim, intermediate, vocab, prompt, output
+) -> None:
     cost = ModelCost(layers, heads * head_dim, heads, kv_heads, head_dim, intermediate, vocab, True, False)
     fed = range(1, prompt + output)  # positions of the tokens that go through the layers
     per_token = [2 * cost.body_params + cost.attention_flops(position) for position in fed]

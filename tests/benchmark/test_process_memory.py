@@ -48,7 +48,9 @@ def test_parse_stat_finds_the_parent_after_a_command_name_with_spaces_and_parent
 
 
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=30), st.integers(0, 30))
-def test_descendants_are_the_processes_whose_chain_of_parents_reaches_the_root(parent_picks: list[int], root: int) -> None:
+def test_descendants_are_the_processes_whose_chain_of_parents_reaches_the_root(
+    parent_picks: list[int], root: int
+) -> None:
     # Process i + 1's parent is one of the processes before it (a forest under 0).
     parents = {i + 1: pick % (i + 1) for i, pick in enumerate(parent_picks)}
     parents[0] = -1
@@ -87,17 +89,39 @@ def test_a_process_that_is_not_running_has_no_sample() -> None:
 
 def _sampler(pid: int, out: Path, *args: str) -> subprocess.Popen:
     """The sampler's command line on ``pid``, started, once it has taken its first sample."""
-    proc = subprocess.Popen([sys.executable, str(BENCH / "process_memory.py"), str(pid), "--out", str(out), *args],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / "process_memory.py"), str(pid), "--out", str(out), *args],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert "sampling PID" in proc.stderr.readline()
     return proc
 
 
-def test_load_phase_runs_until_sigterm_and_idle_phase_merges_beside_it(tree: tuple[subprocess.Popen, int], tmp_path: Path) -> None:
+def test_load_phase_runs_until_sigterm_and_idle_phase_merges_beside_it(
+    tree: tuple[subprocess.Popen, int], tmp_path: Path
+) -> None:
     child, _ = tree
     out = tmp_path / "memory-servelm.json"
-    assert subprocess.run([sys.executable, str(BENCH / "process_memory.py"), str(child.pid), "--out", str(out),
-                           "--phase", "idle", "--seconds", "0.3", "--interval", "0.1"], timeout=60).returncode == 0
+    assert (
+        subprocess.run(
+            [
+                sys.executable,
+                str(BENCH / "process_memory.py"),
+                str(child.pid),
+                "--out",
+                str(out),
+                "--phase",
+                "idle",
+                "--seconds",
+                "0.3",
+                "--interval",
+                "0.1",
+            ],
+            timeout=60,
+        ).returncode
+        == 0
+    )
     sampler = _sampler(child.pid, out, "--phase", "load", "--interval", "0.1")
     sampler.send_signal(signal.SIGTERM)
     assert sampler.wait(timeout=60) == 0

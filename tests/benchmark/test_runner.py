@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import statistics
 import time
@@ -14,7 +15,7 @@ from servelm.benchmark.runner import poisson_arrivals, run_level
 
 def test_poisson_arrivals_mean_gap_is_one_over_rate():
     times = poisson_arrivals(20001, rate=4.0, rng=random.Random(0))
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     assert times[0] == 0.0
     assert all(g >= 0 for g in gaps)
     assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.03)

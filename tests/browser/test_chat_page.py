@@ -69,7 +69,9 @@ def test_a_finished_reply_shows_ttft_speed_and_token_count_and_can_be_regenerate
     page.get_by_label("Message").fill("Say hello.")
     page.get_by_label("Message").press("Enter")  # Enter sends
     stats = page.locator(".msg.assistant .stats")
-    expect(stats).to_have_text(re.compile(r"TTFT \d+ ms · [\d.]+ tokens/s · 6 tokens · cut at max_tokens"), timeout=TIMEOUT_MS)
+    expect(stats).to_have_text(
+        re.compile(r"TTFT \d+ ms · [\d.]+ tokens/s · 6 tokens · cut at max_tokens"), timeout=TIMEOUT_MS
+    )
     assert reply_text(page).strip()
     assert page.locator(".msg.user").count() == 1
 
@@ -108,8 +110,10 @@ def test_the_model_picker_and_settings_go_into_the_request_and_copy_copies_the_r
     assert len(sent) == 1
     body = sent[0]
     assert body["model"] == served[0] and body["stream"] is True
-    assert body["messages"] == [{"role": "system", "content": "You answer in one word."},
-                                {"role": "user", "content": "Name a colour."}]
+    assert body["messages"] == [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Name a colour."},
+    ]
     assert (body["temperature"], body["top_p"], body["max_tokens"]) == (0, 0.5, 5)
 
     # Copy puts the reply's text (its markdown source) on the clipboard.
@@ -153,14 +157,25 @@ def test_errors_are_shown_in_the_conversation(page: Page, server: ServerProcess)
     page.get_by_label("top_p").fill("1")
 
     # 429 as the rate limiter sends it, and a dropped connection: the page shows both.
-    body = {"error": {"message": "Rate limit reached for requests", "type": "rate_limit_error", "param": None,
-                      "code": "rate_limit_exceeded"}}
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(
-        status=429, headers={"retry-after": "3", "content-type": "application/json"}, body=json.dumps(body)))
+    body = {
+        "error": {
+            "message": "Rate limit reached for requests",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+    }
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=429, headers={"retry-after": "3", "content-type": "application/json"}, body=json.dumps(body)
+        ),
+    )
     page.get_by_label("Message").fill("Hi again")
     page.get_by_role("button", name="Send").click()
     expect(page.locator(".msg.error").last).to_have_text(
-        "Too many requests (429): Rate limit reached for requests Retry after 3 s.")
+        "Too many requests (429): Rate limit reached for requests Retry after 3 s."
+    )
     page.unroute("**/v1/chat/completions")
     page.route("**/v1/chat/completions", lambda route: route.abort("connectionreset"))
     page.get_by_label("Message").fill("And again")
@@ -172,27 +187,37 @@ def test_errors_are_shown_in_the_conversation(page: Page, server: ServerProcess)
 def test_an_html_reply_stays_inert(page: Page, server: ServerProcess):
     """Model output carrying markup is sanitized: no handler runs, no such element reaches the DOM."""
     open_chat(page, server)
-    attack = ('Sure! <img src=x onerror="window.__xss = (window.__xss || 0) + 1"> '
-              '<script>window.__xss = (window.__xss || 0) + 1</script>'
-              '<a href="javascript:window.__xss=1">click</a> **bold**')
+    attack = (
+        'Sure! <img src=x onerror="window.__xss = (window.__xss || 0) + 1"> '
+        "<script>window.__xss = (window.__xss || 0) + 1</script>"
+        '<a href="javascript:window.__xss=1">click</a> **bold**'
+    )
     # A reply the page stored, drawn by the page's own code on load...
-    conversation = {"messages": [{"role": "user", "content": "<img src=x onerror=\"window.__xss=1\">"},
-                                 {"role": "assistant", "content": attack}], "settings": {}}
+    conversation = {
+        "messages": [
+            {"role": "user", "content": '<img src=x onerror="window.__xss=1">'},
+            {"role": "assistant", "content": attack},
+        ],
+        "settings": {},
+    }
     page.evaluate("(c) => localStorage.setItem('servelm.chat', JSON.stringify(c))", conversation)
     page.reload()
     expect(page.locator(".msg.assistant strong")).to_have_text("bold")
     # ...and the same text fed through the renderer module the stream uses.
-    page.evaluate("""async (text) => {
+    page.evaluate(
+        """async (text) => {
       const { renderInto } = await import('/static/js/render.js');
       const el = document.createElement('div');
       el.id = 'rendered';
       document.body.append(el);
       renderInto(el, text);
-    }""", attack)
+    }""",
+        attack,
+    )
     page.wait_for_load_state("networkidle")
     assert page.evaluate("window.__xss") is None
     assert page.locator("img[onerror], script:not([type=module]), a[href^=javascript]").count() == 0
-    assert page.locator(".msg.user").inner_text() == "<img src=x onerror=\"window.__xss=1\">"  # user text shown as text
+    assert page.locator(".msg.user").inner_text() == '<img src=x onerror="window.__xss=1">'  # user text shown as text
     assert "click" in page.locator("#rendered").inner_text()
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Iterator
-from typing import ClassVar
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 from playwright.sync_api import Page
@@ -20,7 +20,11 @@ from servelm.web import STATIC_DIR
 
 class _Handler(SimpleHTTPRequestHandler):
     # Module scripts load only with a JavaScript MIME type.
-    extensions_map: ClassVar[dict[str, str]] = {**SimpleHTTPRequestHandler.extensions_map, ".js": "text/javascript", ".mjs": "text/javascript"}
+    extensions_map: ClassVar[dict[str, str]] = {
+        **SimpleHTTPRequestHandler.extensions_map,
+        ".js": "text/javascript",
+        ".mjs": "text/javascript",
+    }
 
     def log_message(self, *args: object) -> None:
         pass
@@ -78,11 +82,13 @@ def test_sse_events_split_across_chunks_in_any_place(module_page: Page):
     assert module_page.evaluate(SSE_PARSE, [text]) == expected
     # One character at a time: every line and every event split mid-way, "\r\n" split between chunks.
     assert module_page.evaluate(SSE_PARSE, list(text)) == expected
-    assert module_page.evaluate(SSE_PARSE, ["data: {\"a\"", ":1}\n", "\ndata: partial"]) == ['{"a":1}']
+    assert module_page.evaluate(SSE_PARSE, ['data: {"a"', ":1}\n", "\ndata: partial"]) == ['{"a":1}']
 
 
 def test_stream_chat_gathers_deltas_usage_and_finish_reason(module_page: Page):
-    result = module_page.evaluate(STREAM + """async () => {
+    result = module_page.evaluate(
+        STREAM
+        + """async () => {
       const { streamChat } = await import('/js/api.js');
       const log = [];
       const seen = [];
@@ -99,7 +105,8 @@ def test_stream_chat_gathers_deltas_usage_and_finish_reason(module_page: Page):
       };
       const r = await streamChat({ model: 'm', messages: [] }, { fetchFn, onText: (t) => seen.push(t) });
       return { r, seen, sent: log[0] };
-    }""")
+    }"""
+    )
     r = result["r"]
     assert r["text"] == "Hello ✓"
     assert result["seen"] == ["Hel", "Hello", "Hello ✓"]
@@ -112,7 +119,9 @@ def test_stream_chat_gathers_deltas_usage_and_finish_reason(module_page: Page):
 
 
 def test_stop_aborts_the_request_and_keeps_the_text_so_far(module_page: Page):
-    result = module_page.evaluate(STREAM + """async () => {
+    result = module_page.evaluate(
+        STREAM
+        + """async () => {
       const { streamChat } = await import('/js/api.js');
       const controller = new AbortController();
       const log = [];
@@ -122,7 +131,8 @@ def test_stop_aborts_the_request_and_keeps_the_text_so_far(module_page: Page):
         onText: (text) => { if (text === 'partial reply') controller.abort(); },
       });
       return { r, signalAborted: controller.signal.aborted };
-    }""")
+    }"""
+    )
     assert result["r"]["stopped"] is True
     assert result["r"]["text"] == "partial reply"
     assert result["r"]["usage"] is None
@@ -130,7 +140,9 @@ def test_stop_aborts_the_request_and_keeps_the_text_so_far(module_page: Page):
 
 
 def test_http_errors_carry_the_servers_message_and_the_key_is_sent(module_page: Page):
-    result = module_page.evaluate(STREAM + """async () => {
+    result = module_page.evaluate(
+        STREAM
+        + """async () => {
       const { streamChat, setApiKey, ApiError } = await import('/js/api.js');
       setApiKey('sk-test');
       const log = [];
@@ -144,18 +156,28 @@ def test_http_errors_carry_the_servers_message_and_the_key_is_sent(module_page: 
       } finally {
         setApiKey('');
       }
-    }""")
-    assert result == {"isApiError": True, "status": 429, "message": "Rate limit reached", "code": "rate_limit_exceeded",
-                      "retryAfter": "7", "auth": "Bearer sk-test"}
+    }"""
+    )
+    assert result == {
+        "isApiError": True,
+        "status": 429,
+        "message": "Rate limit reached",
+        "code": "rate_limit_exceeded",
+        "retryAfter": "7",
+        "auth": "Bearer sk-test",
+    }
 
 
 def test_an_error_event_mid_stream_is_an_error(module_page: Page):
-    message = module_page.evaluate(STREAM + """async () => {
+    message = module_page.evaluate(
+        STREAM
+        + """async () => {
       const { streamChat } = await import('/js/api.js');
       const err = 'data: ' + JSON.stringify({ error: { message: 'engine failed', type: 'server_error', code: null } }) + '\\n\\n';
       try { await streamChat({}, { fetchFn: fakeFetch([delta('a'), err]) }); return 'no error'; }
       catch (e) { return e.message; }
-    }""")
+    }"""
+    )
     assert message == "engine failed"
 
 
@@ -174,7 +196,8 @@ servelm:uptime_seconds 12.5
 
 
 def test_metrics_parser_sums_labels_and_computes_quantiles_like_prometheus(module_page: Page):
-    r = module_page.evaluate("""async (text) => {
+    r = module_page.evaluate(
+        """async (text) => {
       const m = await import('/js/metrics.js');
       const s = m.parsePrometheus(text);
       const b = m.buckets(s, 'servelm:ttft_seconds');
@@ -190,7 +213,9 @@ def test_metrics_parser_sums_labels_and_computes_quantiles_like_prometheus(modul
         none: m.histogramQuantile(0.5, m.bucketDelta(b, b)),
         windowP50: m.histogramQuantile(0.5, m.bucketDelta(b, earlier)),
       };
-    }""", METRICS_TEXT)
+    }""",
+        METRICS_TEXT,
+    )
     assert r["running"] == 2
     assert r["rejected"] == 4
     assert r["uptime"] == 12.5

@@ -18,12 +18,15 @@ pytestmark = [pytest.mark.browser, pytest.mark.model]
 
 TIMEOUT_MS = WAIT_S * 1000
 KEY = "sk-browser-test"
+FLOOD_KEY = "sk-browser-flood"  # a second client, sent past its rate limit
+RPM = 20  # per key: far above what KEY's tests send in a minute
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    """One server with auth on: the pages must still load, and ask for the key."""
-    with server_process(["--embedding-model", "none", "--api-key", KEY]) as proc:
+    """One server with auth and a rate limit on: the pages must still load, and ask for the key."""
+    args = ["--embedding-model", "none", "--api-key", KEY, "--api-key", FLOOD_KEY, "--rate-limit-rpm", str(RPM)]
+    with server_process(args) as proc:
         yield proc
 
 
@@ -106,5 +109,12 @@ def test_the_status_page_draws_live_charts_that_move_under_load(page: Page, serv
     wait_for(lambda: _scrapes(page) >= 4, "more scrapes")
     expect(page.locator("#v-running")).to_have_text("0", timeout=TIMEOUT_MS)
     expect(page.locator("#v-ttft")).to_have_text(re.compile(r"^(\d+|–) / (\d+|–) ms$"))
+
+    # Another client past its rate limit: empty bodies (400s, no model work) until the 429s.
+    expect(page.locator("#v-rejected")).to_have_text("0")
+    with httpx.Client(timeout=WAIT_S, headers={"Authorization": f"Bearer {FLOOD_KEY}"}) as client:
+        codes = [client.post(server.url + "/v1/chat/completions", json={}).status_code for _ in range(RPM + 5)]
+    assert set(codes) == {400, 429} and codes.count(429) >= 1, codes
+    expect(page.locator("#v-rejected")).to_have_text(str(codes.count(429)), timeout=TIMEOUT_MS)
     assert page.locator("#state").inner_text() == "live"
     assert not [e for e in page.errors if "favicon" not in e], page.errors  # type: ignore[attr-defined]

@@ -61,18 +61,29 @@ def test_each_documented_serve_application_builds_what_it_says(where, app, monke
 
 
 def _plan(**kw) -> ReplicaPlan:
-    return ReplicaPlan(app_name="t", model="m", embedding_model=None, served_model_name=None,
-                       engine=EngineConfig(), **kw)
+    return ReplicaPlan(
+        app_name="t", model="m", embedding_model=None, served_model_name=None, engine=EngineConfig(), **kw
+    )
 
 
 @pytest.mark.parametrize(
     "nodes, plan, message",
     [
-        ([1.0, 1.0], _plan(replicas=1, replica_cpus=4), "a replica needs 4 CPU but the largest node of the cluster has 1"),
-        ([4.0, 2.0], _plan(replicas=4, replica_cpus=2),
-         "4 replicas of 2 CPU each do not fit on the cluster's nodes (4, 2 CPU): at most 3 fit"),
-        ([8.0], _plan(replicas=1, min_replicas=3, max_replicas=6, replica_cpus=4),
-         "3 replicas of 4 CPU each do not fit"),  # autoscaling starts at min_replicas
+        (
+            [1.0, 1.0],
+            _plan(replicas=1, replica_cpus=4),
+            "a replica needs 4 CPU but the largest node of the cluster has 1",
+        ),
+        (
+            [4.0, 2.0],
+            _plan(replicas=4, replica_cpus=2),
+            "4 replicas of 2 CPU each do not fit on the cluster's nodes (4, 2 CPU): at most 3 fit",
+        ),
+        (
+            [8.0],
+            _plan(replicas=1, min_replicas=3, max_replicas=6, replica_cpus=4),
+            "3 replicas of 4 CPU each do not fit",
+        ),  # autoscaling starts at min_replicas
     ],
 )
 def test_replicas_the_nodes_cannot_hold_are_refused_naming_the_sizes(monkeypatch, nodes, plan, message):

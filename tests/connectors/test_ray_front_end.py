@@ -33,20 +33,44 @@ MODEL = "fake-chat"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-def snapshot(replica: str, *, running: int = 0, waiting: int = 0, kv: float = 0.0, state: str = "RUNNING",
-             age_s: float = 0.0) -> dict[str, Any]:
+def snapshot(
+    replica: str, *, running: int = 0, waiting: int = 0, kv: float = 0.0, state: str = "RUNNING", age_s: float = 0.0
+) -> dict[str, Any]:
     """One replica's entry on the stats board, as ``EngineReplica`` pushes it."""
     return {
-        "replica": replica, "node_id": f"node-{replica}", "node_ip": "127.0.0.1", "pid": 100, "state": state,
-        "running": running, "waiting": waiting, "kv_cache_usage": kv, "received": time.time() - age_s,
-        "engines": [{"model": MODEL, "num_running": running, "num_waiting": waiting, "kv_cache_usage": kv,
-                     "prefix_cache_queries": 10, "prefix_cache_hits": 4, "num_preemptions": 0}],
+        "replica": replica,
+        "node_id": f"node-{replica}",
+        "node_ip": "127.0.0.1",
+        "pid": 100,
+        "state": state,
+        "running": running,
+        "waiting": waiting,
+        "kv_cache_usage": kv,
+        "received": time.time() - age_s,
+        "engines": [
+            {
+                "model": MODEL,
+                "num_running": running,
+                "num_waiting": waiting,
+                "kv_cache_usage": kv,
+                "prefix_cache_queries": 10,
+                "prefix_cache_hits": 4,
+                "num_preemptions": 0,
+            }
+        ],
     }
 
 
 # What a replica whose engine loop died sends (LocalConnector's engine_dead error, as data).
-ENGINE_DEAD = {"error": {"message": "The engine is down.", "status": 503, "type": "service_unavailable_error",
-                         "code": "engine_dead", "param": None}}
+ENGINE_DEAD = {
+    "error": {
+        "message": "The engine is down.",
+        "status": 503,
+        "type": "service_unavailable_error",
+        "code": "engine_dead",
+        "param": None,
+    }
+}
 
 
 class FakeStream:
@@ -212,16 +236,21 @@ async def test_a_request_whose_replicas_keep_dying_gets_the_documented_503(deplo
         assert len(handle.generated) == 4  # the first replica, then 3 migrations
         # Each migration resumes from the tokens the client already has.
         assert [g["prompt"] for g in handle.generated] == [[1, 2, 3], [1, 2, 3, 7], [1, 2, 3, 7, 7], [1, 2, 3, 7, 7, 7]]
-        assert any(503 in st and "service_unavailable_error" in ty and "replica_failed" in co
-                   for st, ty, co in documented_rows()), "docs/API.md's error table lacks replica_failed"
+        assert any(
+            503 in st and "service_unavailable_error" in ty and "replica_failed" in co
+            for st, ty, co in documented_rows()
+        ), "docs/API.md's error table lacks replica_failed"
 
         # Streamed: the text so far, then the error as an event, then [DONE].
         r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "stream": True})
         assert r.status_code == 200
-        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         last = json.loads(events[-2])
         assert last["error"]["code"] == "replica_failed"
-        text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
-                       for e in events[:-2] if json.loads(e).get("choices"))
+        text = "".join(
+            json.loads(e)["choices"][0]["delta"].get("content") or ""
+            for e in events[:-2]
+            if json.loads(e).get("choices")
+        )
         assert text == "aaaa"  # one token from each replica, none lost or repeated

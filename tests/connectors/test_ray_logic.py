@@ -3,6 +3,7 @@ stream after a replica failure, the deployment's summed figures, and the setting
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -15,7 +16,7 @@ from servelm.connectors.base import ConnectorError
 from servelm.connectors.ray_replica import error_item
 from servelm.connectors.ray_resume import MAX_MIGRATIONS, resumable_stream
 from servelm.connectors.ray_router import PrefixTable, prefix_keys
-from servelm.connectors.ray_stats import STALE_AFTER_S, DeploymentStats
+from servelm.connectors.ray_stats import STALE_AFTER_S, DeploymentStats, StatsPoller
 from servelm.engine.outputs import CompletionOutput, RequestOutput
 from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.structured_outputs import StructuredOutputsParams
@@ -29,7 +30,7 @@ def test_prefix_keys_are_cumulative_over_full_blocks():
     b = prefix_keys(list(range(32)) + [99] * 8, 16)
     assert len(a) == 2  # the 8-token tail is not a full block
     assert a == b  # same first 32 tokens: same keys
-    c = prefix_keys([7] + list(range(1, 40)), 16)
+    c = prefix_keys([7, *list(range(1, 40))], 16)
     assert c[0] != a[0] and c[1] != a[1]  # a change in block 0 changes every later key
 
 
@@ -77,8 +78,15 @@ def _out(tokens: list[int], text: str, finished: bool, prompt: list[int], genera
         request_id="r",
         prompt=None,
         prompt_token_ids=prompt,
-        outputs=[CompletionOutput(index=0, text=text, token_ids=tokens, cumulative_logprob=-0.5 * generated,
-                                  finish_reason="length" if finished else None)],
+        outputs=[
+            CompletionOutput(
+                index=0,
+                text=text,
+                token_ids=tokens,
+                cumulative_logprob=-0.5 * generated,
+                finish_reason="length" if finished else None,
+            )
+        ],
         finished=finished,
         delta=True,
         num_generated_tokens=generated,
@@ -106,8 +114,11 @@ class FakeReplicas:
 
 
 async def _collect(replicas: FakeReplicas, max_tokens: int = 6, **params):
-    request = {"request_id": "r", "prompt": [1, 2, 3],
-               "params": SamplingParams(max_tokens=max_tokens, temperature=0, **params)}
+    request = {
+        "request_id": "r",
+        "prompt": [1, 2, 3],
+        "params": SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+    }
     outs = []
     async for out in resumable_stream(request, replicas.open, lambda e: isinstance(e, ReplicaDied)):
         outs.append(out)
@@ -134,8 +145,11 @@ async def test_a_request_with_tools_is_resumed_only_before_its_first_token():
     # The tool-call parser's state died with the replica: the rest of a call cannot be read without it.
     for die_after, resumed in ((0, True), (2, False)):
         replicas = FakeReplicas(die_after=[die_after])
-        request = {"request_id": "r", "prompt": [1, 2, 3],
-                   "params": SamplingParams(max_tokens=4, temperature=0, tool_call_parser="hermes")}
+        request = {
+            "request_id": "r",
+            "prompt": [1, 2, 3],
+            "params": SamplingParams(max_tokens=4, temperature=0, tool_call_parser="hermes"),
+        }
         stream = resumable_stream(request, replicas.open, lambda e: isinstance(e, ReplicaDied))
         if resumed:
             outs = [out async for out in stream]
@@ -201,20 +215,40 @@ async def test_other_exceptions_are_not_retried():
 
 def _snapshot(replica: str, running: int, waiting: int, kv: float, hits: int, age: float = 0.0, state="RUNNING"):
     return {
-        "replica": replica, "node_id": "n", "node_ip": "127.0.0.1", "pid": 1, "state": state,
-        "running": running, "waiting": waiting, "kv_cache_usage": kv, "received": time.time() - age,
-        "engines": [{"model": "m", "num_running": running, "num_waiting": waiting, "kv_cache_usage": kv,
-                     "prefix_cache_queries": 100, "prefix_cache_hits": hits, "num_preemptions": 0,
-                     "spec_decode_drafts": 3, "spec_decode_draft_tokens": 12, "spec_decode_accepted_tokens": hits}],
+        "replica": replica,
+        "node_id": "n",
+        "node_ip": "127.0.0.1",
+        "pid": 1,
+        "state": state,
+        "running": running,
+        "waiting": waiting,
+        "kv_cache_usage": kv,
+        "received": time.time() - age,
+        "engines": [
+            {
+                "model": "m",
+                "num_running": running,
+                "num_waiting": waiting,
+                "kv_cache_usage": kv,
+                "prefix_cache_queries": 100,
+                "prefix_cache_hits": hits,
+                "num_preemptions": 0,
+                "spec_decode_drafts": 3,
+                "spec_decode_draft_tokens": 12,
+                "spec_decode_accepted_tokens": hits,
+            }
+        ],
     }
 
 
 def test_stats_sum_live_replicas_and_show_the_stale_ones():
-    stats = DeploymentStats([
-        _snapshot("a", 2, 1, 0.5, 10),
-        _snapshot("b", 1, 3, 0.25, 30),
-        _snapshot("c", 9, 9, 0.9, 90, age=STALE_AFTER_S + 1),  # killed: no longer reporting
-    ])
+    stats = DeploymentStats(
+        [
+            _snapshot("a", 2, 1, 0.5, 10),
+            _snapshot("b", 1, 3, 0.25, 30),
+            _snapshot("c", 9, 9, 0.9, 90, age=STALE_AFTER_S + 1),  # killed: no longer reporting
+        ]
+    )
     depth = stats.queue_depth()
     assert (depth.running, depth.waiting) == (3, 4)  # the whole cluster's queue, live replicas only
     engine = stats.engine_stats()
@@ -225,6 +259,25 @@ def test_stats_sum_live_replicas_and_show_the_stale_ones():
     assert sorted(e.replica for e in engine if e.replica) == ["a", "b"]
     states = {r.replica: r.state for r in stats.replicas()}
     assert states == {"a": "RUNNING", "b": "RUNNING", "c": "UNRESPONSIVE"}
+
+
+async def test_the_stats_poller_stops_when_cancelled_from_another_thread():
+    # The server's shutdown runs on its main thread, not on the loop the poller reads from.
+    reads = asyncio.Queue()
+
+    async def read():
+        reads.put_nowait(None)
+        return [_snapshot("a", 1, 0, 0.1, 1)]
+
+    poller = StatsPoller(read, period_s=0)
+    poller.start()
+    task = poller._task
+    await reads.get()  # it is polling
+    await asyncio.to_thread(poller.cancel)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert poller.stats.queue_depth().running == 1
+    poller.cancel()  # twice is harmless
 
 
 # --- settings -----------------------------------------------------------------------
@@ -260,7 +313,9 @@ def test_the_default_path_never_imports_ray():
 def test_the_serve_app_follows_the_settings():
     from servelm.connectors.ray_deploy import build_app_from_args
 
-    app = build_app_from_args({"model": "smollm2-135m-instruct", "replicas": 3, "replica_cpus": 2, "kv_cache_memory": "64MiB"})
+    app = build_app_from_args(
+        {"model": "smollm2-135m-instruct", "replicas": 3, "replica_cpus": 2, "kv_cache_memory": "64MiB"}
+    )
     deployment = app._bound_deployment
     assert deployment.num_replicas == 3
     assert deployment.ray_actor_options["num_cpus"] == 2
@@ -271,18 +326,33 @@ def test_the_serve_app_follows_the_settings():
     assert spec["model"] == "smollm2-135m-instruct" and spec["engine"]["kv_cache_memory"] == 64 << 20
     assert spec["threads"] == 2  # a replica's torch threads follow the CPUs Ray reserves for it
 
-    scaled = build_app_from_args({"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8, "prefix_routing": False})
+    scaled = build_app_from_args(
+        {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8, "prefix_routing": False}
+    )
     auto = scaled._bound_deployment._deployment_config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 4, 8)
-    assert scaled._bound_deployment._deployment_config.request_router_config.request_router_kwargs["prefix_routing"] is False
+    assert (
+        scaled._bound_deployment._deployment_config.request_router_config.request_router_kwargs["prefix_routing"]
+        is False
+    )
 
 
 def test_an_unreachable_ray_address_exits_2_at_once():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # nothing listens once closed
-    cmd = [sys.executable, "-m", "servelm", "serve", "--embedding-model", "none", "--port", "0",
-           "--ray-address", f"127.0.0.1:{port}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "servelm",
+        "serve",
+        "--embedding-model",
+        "none",
+        "--port",
+        "0",
+        "--ray-address",
+        f"127.0.0.1:{port}",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)
     assert result.returncode == 2, result.stderr
@@ -296,8 +366,18 @@ def test_an_address_where_no_ray_cluster_answers_exits_2():
         sock.bind(("127.0.0.1", 0))
         sock.listen(16)  # the kernel completes connections; nobody ever answers them
         port = sock.getsockname()[1]
-        cmd = [sys.executable, "-m", "servelm", "serve", "--embedding-model", "none", "--port", "0",
-               "--ray-address", f"127.0.0.1:{port}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "servelm",
+            "serve",
+            "--embedding-model",
+            "none",
+            "--port",
+            "0",
+            "--ray-address",
+            f"127.0.0.1:{port}",
+        ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert result.returncode == 2, result.stderr[-2000:]

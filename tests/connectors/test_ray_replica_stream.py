@@ -23,9 +23,15 @@ PROMPT = [1, 2, 3]
 
 
 def output(i: int, finished: bool = False) -> RequestOutput:
-    return RequestOutput("r", None, list(PROMPT), [CompletionOutput(index=0, text=f"t{i}", token_ids=[i],
-                         finish_reason="length" if finished else None)], finished=finished, delta=True,
-                         num_generated_tokens=i)
+    return RequestOutput(
+        "r",
+        None,
+        list(PROMPT),
+        [CompletionOutput(index=0, text=f"t{i}", token_ids=[i], finish_reason="length" if finished else None)],
+        finished=finished,
+        delta=True,
+        num_generated_tokens=i,
+    )
 
 
 class ScriptedEngine:
@@ -117,8 +123,15 @@ async def test_a_request_error_is_sent_as_data_after_the_outputs_before_it():
     engine.source.put_nowait(ConnectorError("too long", status=400, code="context_length_exceeded", param="messages"))
     items = [item async for item in stream]
     assert ids(items[0]) == [1]
-    assert items[1] == {"error": {"message": "too long", "status": 400, "type": "invalid_request_error",
-                                  "code": "context_length_exceeded", "param": "messages"}}
+    assert items[1] == {
+        "error": {
+            "message": "too long",
+            "status": 400,
+            "type": "invalid_request_error",
+            "code": "context_length_exceeded",
+            "param": "messages",
+        }
+    }
     assert len(items) == 2
 
 

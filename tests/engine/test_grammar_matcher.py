@@ -83,8 +83,11 @@ def test_rollback_returns_to_an_earlier_state(compiler, hf):
 
 
 def test_json_schema_output_is_compact_and_complete(compiler, hf):
-    schema = {"type": "object", "properties": {"ab": {"type": "integer"}, "b": {"type": "string"}},
-              "required": ["ab", "b"]}
+    schema = {
+        "type": "object",
+        "properties": {"ab": {"type": "integer"}, "b": {"type": "string"}},
+        "required": ["ab", "b"],
+    }
     m = matcher(compiler, json=schema)
     assert not feed(matcher(compiler, json=schema), hf, '{ "ab"')  # no free whitespace
     assert feed(m, hf, '{"ab": 12, "b": "x"}')
@@ -116,8 +119,9 @@ def test_structural_tag_is_free_text_until_its_trigger(compiler, hf):
         "format": {
             "type": "triggered_tags",
             "triggers": ["<f>"],
-            "tags": [{"begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
-                      "end": "</f>"}],
+            "tags": [
+                {"begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": "</f>"}
+            ],
         },
     }
     m = matcher(compiler, structural_tag=json.dumps(tag))
@@ -125,15 +129,18 @@ def test_structural_tag_is_free_text_until_its_trigger(compiler, hf):
     assert not feed(matcher(compiler, structural_tag=json.dumps(tag)), hf, "<f>x")
 
 
-@pytest.mark.parametrize("spec, param, words", [
-    ({"regex": "(ab"}, "structured_outputs.regex", "parenthesis"),
-    ({"grammar": "root ::= missing"}, "structured_outputs.grammar", "missing"),
-    ({"grammar": "rot ::= \"a\""}, "structured_outputs.grammar", "root"),
-    ({"json": {"type": "frobnicate"}}, "structured_outputs.json", "frobnicate"),
-    ({"json": {"$ref": "#/$defs/nowhere"}}, "structured_outputs.json", "nowhere"),
-    ({"json": {"type": "array", "items": 5}}, "structured_outputs.json", "items"),
-    ({"structural_tag": "{}"}, "structured_outputs.structural_tag", "format"),
-])
+@pytest.mark.parametrize(
+    "spec, param, words",
+    [
+        ({"regex": "(ab"}, "structured_outputs.regex", "parenthesis"),
+        ({"grammar": "root ::= missing"}, "structured_outputs.grammar", "missing"),
+        ({"grammar": 'rot ::= "a"'}, "structured_outputs.grammar", "root"),
+        ({"json": {"type": "frobnicate"}}, "structured_outputs.json", "frobnicate"),
+        ({"json": {"$ref": "#/$defs/nowhere"}}, "structured_outputs.json", "nowhere"),
+        ({"json": {"type": "array", "items": 5}}, "structured_outputs.json", "items"),
+        ({"structural_tag": "{}"}, "structured_outputs.structural_tag", "format"),
+    ],
+)
 def test_compile_errors_name_the_kind_and_say_why(compiler, spec, param, words):
     with pytest.raises(StructuredOutputsError) as info:
         compiler.compile(StructuredOutputsParams(**spec))
@@ -149,8 +156,9 @@ def test_a_grammar_compiles_once_and_later_requests_hit_the_cache(hf):
     spec = StructuredOutputsParams(json={"type": "object", "properties": {"ab": {"type": "integer"}}})
     assert compiler.cached(spec) is None
     first = compiler.compile(spec)
-    same = StructuredOutputsParams(json=json.dumps({"type": "object", "properties": {"ab": {"type": "integer"}}},
-                                                   separators=(",", ":")))
+    same = StructuredOutputsParams(
+        json=json.dumps({"type": "object", "properties": {"ab": {"type": "integer"}}}, separators=(",", ":"))
+    )
     assert compiler.cached(spec) is first and compiler.compile(same) is first
     assert compiler.stats.compiles == 1 and compiler.stats.hits == 2
     compiler.compile(StructuredOutputsParams(regex="a+"))

@@ -32,9 +32,11 @@ def test_a_parsed_reply_splits_into_content_and_calls(llm):
     prompt = f"Copy this line exactly.\n{call}\n{call}\n{call}\n"
     (greedy,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, stop=["</tool_call>"]))
     assert greedy.outputs[0].text == call.removesuffix("</tool_call>")
-    (parsed,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, stop=["</tool_call>"],
-                                                       tool_call_parser="hermes"))
+    (parsed,) = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=40, stop=["</tool_call>"], tool_call_parser="hermes")
+    )
     out = parsed.outputs[0]
     assert out.token_ids == greedy.outputs[0].token_ids and out.text == ""
     assert [(c.index, c.name, json.loads(c.arguments)) for c in out.tool_calls] == [
-        (0, "get_weather", {"city": "Paris"})]
+        (0, "get_weather", {"city": "Paris"})
+    ]

@@ -33,7 +33,9 @@ class Harness:
     def add(self, rid: str, params: SamplingParams, max_tokens: int = 50, first_id: int = 0) -> list[Sequence]:
         prompt = [ord(c) for c in "hi"]
         seqs = [
-            Sequence(first_id + i, rid, prompt, len(prompt), max_tokens, stop_token_ids=frozenset(params.stop_token_ids))
+            Sequence(
+                first_id + i, rid, prompt, len(prompt), max_tokens, stop_token_ids=frozenset(params.stop_token_ids)
+            )
             for i in range(params.best_of)
         ]
         self.proc.add_request(rid, "hi", prompt, params, seqs, arrival_time=0.0)

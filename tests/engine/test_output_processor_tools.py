@@ -31,7 +31,9 @@ def test_each_choice_gets_its_own_content_and_calls():
     total, deltas = run(h, seqs, ["Checking.\n" + CALL, "No call here."])
     first, second = total.outputs
     assert (first.text, [(c.index, c.name, c.arguments) for c in first.tool_calls]) == (
-        "Checking.", [(0, "get_weather", '{"city": "Paris"}')])
+        "Checking.",
+        [(0, "get_weather", '{"city": "Paris"}')],
+    )
     assert (second.text, second.tool_calls) == ("No call here.", [])
     assert first.finish_reason == second.finish_reason == "stop"
     # The call streams: its name in one delta, its arguments over several later ones.
@@ -70,8 +72,9 @@ def test_a_stop_string_ends_the_text_before_the_parser_sees_it():
 
 def test_best_of_keeps_the_calls_of_the_winner():
     h = Harness()
-    seqs = h.add("r", SamplingParams(n=1, best_of=2, stop_token_ids=[ord(END)], tool_call_parser="hermes"),
-                 max_tokens=500)
+    seqs = h.add(
+        "r", SamplingParams(n=1, best_of=2, stop_token_ids=[ord(END)], tool_call_parser="hermes"), max_tokens=500
+    )
     text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     total, deltas = None, []
     for step in range(len(text) + 1):

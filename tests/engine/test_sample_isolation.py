@@ -28,8 +28,11 @@ def _state(params: SamplingParams) -> SamplingState:
 
 def test_only_the_culprit_row_fails(caplog):
     logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 1.0], [0.0, 1.0, 6.0]])
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, seed=CULPRIT_SEED),
-              SamplingParams(temperature=0.0, logprobs=1)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, seed=CULPRIT_SEED),
+        SamplingParams(temperature=0.0, logprobs=1),
+    ]
     with caplog.at_level(logging.ERROR, logger="servelm.engine.sample_isolation"):
         rows = sample_isolated(FragileSampler(), logits, [_state(p) for p in params], ["req-a", "req-b", "req-c"])
     assert rows[1] is None

@@ -27,8 +27,30 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 # Every kind of float64 that could reach a sampling parameter through JSON or Python.
 EXTREME = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0.0, -0.0, 5e-324, 1e-320, 1e-308, 1e-45, 1e-40, 1.1754943e-38, 1e-30, 1e-5, 0.5, 1.0,
-                     2.0, 100.0, 3.4e38, 3.5e38, 1e39, 1e308, -1e-40, -1e308]),
+    st.sampled_from(
+        [
+            0.0,
+            -0.0,
+            5e-324,
+            1e-320,
+            1e-308,
+            1e-45,
+            1e-40,
+            1.1754943e-38,
+            1e-30,
+            1e-5,
+            0.5,
+            1.0,
+            2.0,
+            100.0,
+            3.4e38,
+            3.5e38,
+            1e39,
+            1e308,
+            -1e-40,
+            -1e308,
+        ]
+    ),
 )
 LOGIT = st.one_of(
     st.floats(-1e4, 1e4),
@@ -88,12 +110,14 @@ def hostile_row(draw) -> tuple[torch.Tensor, SamplingState]:
     return logits, _state(params, eos=eos or (), mask=mask)
 
 
-GOOD_PARAMS = st.sampled_from([
-    SamplingParams(temperature=0.0),
-    SamplingParams(temperature=0.8, top_p=0.9, seed=1),
-    SamplingParams(temperature=1.0, top_k=3, seed=2),
-    SamplingParams(temperature=0.7, min_p=0.1, repetition_penalty=1.3, seed=3),
-])
+GOOD_PARAMS = st.sampled_from(
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.0, top_k=3, seed=2),
+        SamplingParams(temperature=0.7, min_p=0.1, repetition_penalty=1.3, seed=3),
+    ]
+)
 
 
 def _good_rows(n: int) -> tuple[torch.Tensor, list[SamplingParams]]:
@@ -111,8 +135,11 @@ def _valid(tokens: list[int]) -> bool:
 
 
 @SETTINGS
-@given(bad=st.lists(hostile_row(), min_size=1, max_size=4), good=st.lists(GOOD_PARAMS, min_size=1, max_size=3),
-       order=st.randoms(use_true_random=False))
+@given(
+    bad=st.lists(hostile_row(), min_size=1, max_size=4),
+    good=st.lists(GOOD_PARAMS, min_size=1, max_size=3),
+    order=st.randoms(use_true_random=False),
+)
 def test_hostile_rows_get_valid_tokens_and_leave_good_rows_alone(bad, good, order):
     good_logits, _ = _good_rows(len(good))
     alone = Sampler()(good_logits, [_fresh(p) for p in good])
@@ -133,8 +160,14 @@ def test_hostile_rows_get_valid_tokens_and_leave_good_rows_alone(bad, good, orde
 
 @SETTINGS
 @given(
-    temperature=EXTREME, top_p=EXTREME, min_p=EXTREME, rep=EXTREME, freq=EXTREME, top_k=st.integers(-5, 10**6),
-    logits=st.lists(LOGIT, min_size=VOCAB, max_size=VOCAB), seed=st.none() | st.integers(0, 2**64 - 1),
+    temperature=EXTREME,
+    top_p=EXTREME,
+    min_p=EXTREME,
+    rep=EXTREME,
+    freq=EXTREME,
+    top_k=st.integers(-5, 10**6),
+    logits=st.lists(LOGIT, min_size=VOCAB, max_size=VOCAB),
+    seed=st.none() | st.integers(0, 2**64 - 1),
 )
 def test_even_unvalidated_params_give_a_valid_token(temperature, top_p, min_p, rep, freq, top_k, logits, seed):
     # As if validation had a hole: the values go straight into the dataclass.
@@ -144,19 +177,22 @@ def test_even_unvalidated_params_give_a_valid_token(temperature, top_p, min_p, r
     row = torch.tensor(logits, dtype=torch.float32)
     good = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(7))
     good_params = SamplingParams(temperature=0.0)
-    out = Sampler()(torch.stack([good[0], row, good[1]]), [_fresh(good_params), _state(params, seed=seed),
-                                                           _fresh(good_params)])
+    out = Sampler()(
+        torch.stack([good[0], row, good[1]]), [_fresh(good_params), _state(params, seed=seed), _fresh(good_params)]
+    )
     assert _valid(out.token_ids)
     assert out.token_ids[0] == int(good[0].argmax()) and out.token_ids[2] == int(good[1].argmax())
 
 
 def test_a_degenerate_row_falls_back_to_its_greedy_token():
     nan, ninf = float("nan"), float("-inf")
-    logits = torch.tensor([
-        [nan, 1.0, 5.0, nan],  # NaN poisons the softmax: greedy over the numbers
-        [ninf, ninf, ninf, ninf],  # nothing left at all: the raw argmax
-        [0.0, 3.4e38, 3.4e38, 1.0],  # overflows once divided by a small temperature
-    ])
+    logits = torch.tensor(
+        [
+            [nan, 1.0, 5.0, nan],  # NaN poisons the softmax: greedy over the numbers
+            [ninf, ninf, ninf, ninf],  # nothing left at all: the raw argmax
+            [0.0, 3.4e38, 3.4e38, 1.0],  # overflows once divided by a small temperature
+        ]
+    )
     params = SamplingParams(temperature=1e-4, top_p=0.5)
     out = Sampler()(logits, [_state(params) for _ in range(3)])
     assert out.token_ids[0] == 2
@@ -166,8 +202,10 @@ def test_a_degenerate_row_falls_back_to_its_greedy_token():
 
 def test_every_token_banned_still_gives_a_token():
     logits = torch.tensor([[0.0, 9.0, 1.0, 2.0]])
-    for params in (SamplingParams(temperature=0.0, min_tokens=1),
-                   SamplingParams(temperature=1.0, top_p=0.3, seed=5, min_tokens=1)):
+    for params in (
+        SamplingParams(temperature=0.0, min_tokens=1),
+        SamplingParams(temperature=1.0, top_p=0.3, seed=5, min_tokens=1),
+    ):
         out = Sampler()(logits, [_state(params, eos=range(4))])  # min_tokens bans every "EOS"
         assert out.token_ids == [1]  # the model's own favourite: nothing else distinguishes the tokens
 
@@ -177,8 +215,10 @@ def test_a_grammar_wins_over_the_stages_that_leave_no_token():
     # the row falls back to the grammar's choice, never to the raw favourite (1) it forbids.
     logits = torch.tensor([[0.0, 9.0, 1.0, 2.0]])
     mask = torch.tensor([False, False, True, False])
-    for params in (SamplingParams(temperature=0.0, min_tokens=1),
-                   SamplingParams(temperature=1.0, top_p=0.3, seed=5, min_tokens=1),
-                   SamplingParams(temperature=0.0, logit_bias={2: -100.0})):
+    for params in (
+        SamplingParams(temperature=0.0, min_tokens=1),
+        SamplingParams(temperature=1.0, top_p=0.3, seed=5, min_tokens=1),
+        SamplingParams(temperature=0.0, logit_bias={2: -100.0}),
+    ):
         out = Sampler()(logits, [_state(params, eos={2}, mask=mask)])
         assert out.token_ids == [2], params

@@ -39,8 +39,9 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 class FakeEngine:
     """Schedules, "runs" and updates steps the way the real engine does."""
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, spec_tokens: int = 0,
-                 wrong_every: int = 2, **config):
+    def __init__(
+        self, num_blocks: int, enable_prefix_caching: bool = True, spec_tokens: int = 0, wrong_every: int = 2, **config
+    ):
         self.config = EngineConfig(enable_prefix_caching=enable_prefix_caching, **config)
         self.spec_tokens = spec_tokens  # each new sequence's num_speculative_tokens
         self.wrong_every = wrong_every  # how often a proposed token is wrong (see propose)
@@ -55,8 +56,9 @@ class FakeEngine:
 
     def add(self, prompt: list[int], max_tokens: int, request_id: str | None = None, arrival: float = 0.0):
         rid = request_id or f"r{self.next_id}"
-        seq = Sequence(self.next_id, rid, prompt, len(prompt), max_tokens, arrival,
-                       num_speculative_tokens=self.spec_tokens)
+        seq = Sequence(
+            self.next_id, rid, prompt, len(prompt), max_tokens, arrival, num_speculative_tokens=self.spec_tokens
+        )
         self.next_id += 1
         self.sched.add(seq)
         return seq
@@ -119,7 +121,7 @@ class FakeEngine:
             run.append(token)
         self.proposed += len(proposal)
         self.accepted += len(run)
-        return run + [next_token(tokens + run)]
+        return [*run, next_token(tokens + run)]
 
     def _run(self, sch: ScheduledSeq) -> None:
         seq, bs = sch.seq, self.config.block_size
@@ -432,8 +434,7 @@ def test_speculation_takes_no_block_another_decode_needs_and_never_preempts():
 @pytest.mark.parametrize(("stop", "finish_reason"), [(60, "stop"), (None, "length")])
 def test_a_run_is_appended_up_to_the_token_that_ends_it(stop, finish_reason):
     eng = FakeEngine(num_blocks=16, block_size=2, spec_tokens=4)
-    seq = Sequence(0, "r", [1, 2, 3], 3, max_tokens=4, eos_token_ids=frozenset({60}),
-                   num_speculative_tokens=4)
+    seq = Sequence(0, "r", [1, 2, 3], 3, max_tokens=4, eos_token_ids=frozenset({60}), num_speculative_tokens=4)
     eng.sched.add(seq)
     eng.step()
     out = eng.sched.schedule()
@@ -526,5 +527,10 @@ def test_simulated_engine_never_leaks_and_always_finishes(scenario):
     assert eng.bm.num_free_blocks == num_blocks and eng.bm.usage == 0.0
     eng.bm.check_invariants()
     assert (eng.sched.num_draft_tokens, eng.sched.num_accepted_tokens) == (eng.proposed, eng.accepted)
-    event("speculated, some rejected" if eng.accepted < eng.proposed else "speculated, all kept" if eng.proposed
-          else "no speculation")
+    event(
+        "speculated, some rejected"
+        if eng.accepted < eng.proposed
+        else "speculated, all kept"
+        if eng.proposed
+        else "no speculation"
+    )

@@ -164,8 +164,9 @@ def test_a_proposed_token_the_target_rules_out_is_never_kept():
 
 
 def _state(params: SamplingParams, tokens: list[int], num_prompt: int = 1) -> SamplingState:
-    return SamplingState(params=params, token_ids=tokens, num_prompt_tokens=num_prompt, generator=None,
-                         eos_token_ids=set())
+    return SamplingState(
+        params=params, token_ids=tokens, num_prompt_tokens=num_prompt, generator=None, eos_token_ids=set()
+    )
 
 
 def test_row_states_see_the_proposed_tokens_before_their_row():

@@ -126,8 +126,13 @@ def test_preemption_gives_the_same_output(plain, method):
     expected = _ids(plain.generate(prompts, params))
     # Room for about two of these requests at once: the rest wait or are preempted.
     block_bytes = plain.engine.runner.block_bytes * (2 if method == "draft" else 1)
-    tight = LLM(MODEL, **{**COMMON, "kv_cache_memory": block_bytes * 30}, **METHODS[method],
-                enable_prefix_caching=False, speculative_max_batch_size=8)
+    tight = LLM(
+        MODEL,
+        **{**COMMON, "kv_cache_memory": block_bytes * 30},
+        **METHODS[method],
+        enable_prefix_caching=False,
+        speculative_max_batch_size=8,
+    )
     assert _ids(tight.generate(prompts, params)) == expected
     assert tight.engine.scheduler.num_preemptions > 0
     _assert_speculated(tight, (0, 0))
@@ -147,8 +152,9 @@ def test_a_request_can_turn_speculation_off_and_seeded_sampling_is_unaffected(pl
 
 def test_sampled_requests_speculate_and_stay_valid(spec):
     before = _counters(spec)
-    params = SamplingParams(temperature=0.8, top_k=40, max_tokens=24, logprobs=1, n=2, best_of=3,
-                            presence_penalty=0.5, min_tokens=20)
+    params = SamplingParams(
+        temperature=0.8, top_k=40, max_tokens=24, logprobs=1, n=2, best_of=3, presence_penalty=0.5, min_tokens=20
+    )
     (out,) = spec.generate([REPEAT], params)
     _assert_speculated(spec, before)
     assert len(out.outputs) == 2
@@ -183,6 +189,7 @@ def test_bfloat16_greedy_output_is_identical_on_the_benchmarks_task():
     want = plain16.generate([prompt], params)[0].outputs[0]
     got = spec16.generate([prompt], params)[0].outputs[0]
     assert got.token_ids == want.token_ids
-    assert [lp.chosen.logprob for lp in got.logprobs] == pytest.approx([lp.chosen.logprob for lp in want.logprobs],
-                                                                        abs=1e-2)
+    assert [lp.chosen.logprob for lp in got.logprobs] == pytest.approx(
+        [lp.chosen.logprob for lp in want.logprobs], abs=1e-2
+    )
     _assert_speculated(spec16, (0, 0))

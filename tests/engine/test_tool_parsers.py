@@ -28,19 +28,43 @@ def parse(fmt: str, chunks: list[str]) -> tuple[str, list[tuple[str | None, str]
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
 CASES = [
     # Hermes
-    ("hermes", f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>', "",
-     [("get_weather", WEATHER)]),
-    ("hermes", f'Let me check.\n\n<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>\n',
-     "Let me check.", [("get_weather", WEATHER)]),
-    ("hermes", ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>\n{"name": "b", "arguments": '
-                '{"x": [1, -2.5e3, true, null, {"y": "\\"}\\u00e9"}]}}\n</tool_call>'), "",
-     [("a", "{}"), ("b", '{"x": [1, -2.5e3, true, null, {"y": "\\"}\\u00e9"}]}')]),
+    (
+        "hermes",
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>',
+        "",
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "hermes",
+        f'Let me check.\n\n<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>\n',
+        "Let me check.",
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "hermes",
+        (
+            '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>\n{"name": "b", "arguments": '
+            '{"x": [1, -2.5e3, true, null, {"y": "\\"}\\u00e9"}]}}\n</tool_call>'
+        ),
+        "",
+        [("a", "{}"), ("b", '{"x": [1, -2.5e3, true, null, {"y": "\\"}\\u00e9"}]}')],
+    ),
     ("hermes", '<tool_call>\n{"arguments": {"q": 1}, "name": "late"}\n</tool_call>', "", [("late", '{"q": 1}')]),
     ("hermes", '<tool_call>\n{"name": "noargs"}\n</tool_call>', "", [("noargs", "{}")]),
     ("hermes", '<tool_call>\n{"name": "s", "arguments": "{\\"a\\": 1}"}\n</tool_call>', "", [("s", '{"a": 1}')]),
     ("hermes", "Plain text, no calls.\n", "Plain text, no calls.\n", []),
-    ("hermes", "Use <tool_call> like this: <tool_call> not JSON", "Use <tool_call> like this: <tool_call> not JSON", []),
-    ("hermes", '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>', '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>', []),
+    (
+        "hermes",
+        "Use <tool_call> like this: <tool_call> not JSON",
+        "Use <tool_call> like this: <tool_call> not JSON",
+        [],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',
+        [],
+    ),
     ("hermes", '<tool_call>\n{"title": "x"}', '<tool_call>\n{"title": "x"}', []),
     ("hermes", "a <tool_ca", "a <tool_ca", []),
     ("hermes", "<tool_call>", "<tool_call>", []),
@@ -48,16 +72,24 @@ CASES = [
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "cut sh', "", [("f", '{"a": "cut sh')]),
     # Llama 3 JSON
     ("llama3_json", f' {{"name": "get_weather", "parameters": {WEATHER}}}', "", [("get_weather", WEATHER)]),
-    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"n": 1}}; {"name": "b", "parameters": {}}', "",
-     [("a", '{"n": 1}'), ("b", "{}")]),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "a", "parameters": {"n": 1}}; {"name": "b", "parameters": {}}',
+        "",
+        [("a", '{"n": 1}'), ("b", "{}")],
+    ),
     ("llama3_json", 'I will call it. <|python_tag|>{"name": "a", "arguments": {}}', "I will call it.", [("a", "{}")]),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
     ("llama3_json", '{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),
     ("llama3_json", "The answer is {x}.", "The answer is {x}.", []),
     ("llama3_json", '{"name": "a", "parameters": {}} and more', "and more", [("a", "{}")]),
     # Mistral
-    ("mistral", f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {WEATHER}}}, {{"name": "b", "arguments": {{}}}}]',
-     "", [("get_weather", WEATHER), ("b", "{}")]),
+    (
+        "mistral",
+        f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {WEATHER}}}, {{"name": "b", "arguments": {{}}}}]',
+        "",
+        [("get_weather", WEATHER), ("b", "{}")],
+    ),
     ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": [1]}, "id": "abcdefghi"}]', "", [("a", '{"x": [1]}')]),
     ("mistral", "No [TOOL_CALLS here", "No [TOOL_CALLS here", []),
     ("mistral", "[TOOL_CALLS] nothing", "[TOOL_CALLS] nothing", []),
@@ -100,7 +132,10 @@ def test_random_splits_give_the_whole_texts_result(data):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=8),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
     max_leaves=8,
@@ -142,7 +177,7 @@ def test_text_without_calls_is_content_unchanged(fmt, text, cuts):
     assert parse(fmt, chunks)[:2] == (text, [])
 
 
-@given(fmt=st.sampled_from(sorted(FORMATS)), text=st.text(alphabet="{}[]\":,; \n<>/_abcnmetrulsTOLC|0-9.", max_size=40))
+@given(fmt=st.sampled_from(sorted(FORMATS)), text=st.text(alphabet='{}[]":,; \n<>/_abcnmetrulsTOLC|0-9.', max_size=40))
 @settings(max_examples=500, deadline=None)
 def test_any_text_parses_without_raising_and_loses_no_content_when_no_call(fmt, text):
     content, calls, _ = parse(fmt, list(text))
@@ -151,8 +186,15 @@ def test_any_text_parses_without_raising_and_loses_no_content_when_no_call(fmt, 
 
 
 def test_scanner_rejects_bad_json_and_foreign_keys():
-    for bad in ['{"name" "x"}', '{"name": "x",}', '{"name": tru}', '{"name": "x", "arguments": {"a": 01}}',
-                '{"other": 1}', "[1]", '{"name": "a\x01"}']:
+    for bad in [
+        '{"name" "x"}',
+        '{"name": "x",}',
+        '{"name": tru}',
+        '{"name": "x", "arguments": {"a": 01}}',
+        '{"other": 1}',
+        "[1]",
+        '{"name": "a\x01"}',
+    ]:
         scanner = CallObjectScanner()
         with pytest.raises(NotACall):
             for ch in bad:

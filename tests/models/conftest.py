@@ -86,7 +86,9 @@ class PagedRunner:
             block_tables=torch.tensor(tables, device=device),
             num_prefills=len(prefills),
             num_prefill_tokens=sum(len(ids) for _, ids in prefills),
-            decode_lens=torch.tensor(context_lens[len(prefills) :], device=device) if len(prefills) < len(context_lens) else None,
+            decode_lens=torch.tensor(context_lens[len(prefills) :], device=device)
+            if len(prefills) < len(context_lens)
+            else None,
         )
         with torch.inference_mode():
             hidden = self.model(
@@ -100,9 +102,17 @@ def tiny_llama_model(weights: str, **overrides) -> tuple[LlamaForCausalLM, Model
     """A random bfloat16 Llama of 3 small layers whose linears are packed with plain weights kept ("bf16"),
     with the small-GEMM pair layout where it runs ("pairs"), int8 ("int8") or int8 weights and activations
     ("w8a8"); ``overrides`` set config fields."""
-    fields = dict(architecture="LlamaForCausalLM", vocab_size=120, hidden_size=64, intermediate_size=96,
-                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=128)  # fmt: skip
+    fields = dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=120,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     config = ModelConfig(**(fields | overrides))
     model = build_empty_model(config, torch.bfloat16, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)

@@ -58,7 +58,7 @@ def test_it_stands_aside_where_it_does_not_apply(paged_runner, tiny_llama):
 def test_it_rejects_what_it_cannot_read(tiny_llama):
     from servelm import kernels
 
-    model, config = tiny_llama("bf16")
+    model, _config = tiny_llama("bf16")
     caches = [torch.zeros(2, 8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
     decoder = model._one_token_decoder(caches)
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
@@ -69,11 +69,14 @@ def test_it_rejects_what_it_cannot_read(tiny_llama):
     native = kernels.cpu_kernels()
     layer = model.model.layers[0]
     good = kernels.DecoderLayerWeights(
-        layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-        *(m.one_row_weights() for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                       layer.mlp.down_proj)),
+        layer.input_layernorm.weight,
+        layer.post_attention_layernorm.weight,
+        *(
+            m.one_row_weights()
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ),
         caches[0],
-    )  # fmt: skip
+    )
     args = dict(final_norm=model.model.norm.weight, cos_sin=model.rotary.cos_sin, heads=6, eps=1e-5, scale=0.25)
     native.one_token_decoder([good], **args)
     with pytest.raises(ValueError, match="o has shape"):

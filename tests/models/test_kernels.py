@@ -105,7 +105,7 @@ def test_self_check_rejects_a_wrong_prefill(native):
             out.zero_()
             return True
 
-    with pytest.raises(RuntimeError, match="prefill_attention in torch.bfloat16 differs"):
+    with pytest.raises(RuntimeError, match=r"prefill_attention in torch\.bfloat16 differs"):
         self_check(Miscompiled())
 
 
@@ -187,9 +187,15 @@ def test_silu_mul_at_extreme_gates(native, dtype):
     "in_features,out_features,reference",
     # PyTorch's int8 kernel crashes on some odd shapes (rows left from groups of four, columns from whole
     # vectors): those compare with float64.
-    [(576, 960, "torch"), (1536, 576, "torch"), (192, 40, "torch"), (100, 7, "float64"), (33, 9, "float64"),
-     (70, 13, "float64")],
-)  # fmt: skip
+    [
+        (576, 960, "torch"),
+        (1536, 576, "torch"),
+        (192, 40, "torch"),
+        (100, 7, "float64"),
+        (33, 9, "float64"),
+        (70, 13, "float64"),
+    ],
+)
 def test_int8_linear_matches_pytorchs_int8_kernel(native, in_features, out_features, reference):
     gen = torch.Generator().manual_seed(3)
     qweight = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)

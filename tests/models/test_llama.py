@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelm.models.config import ModelConfig
 from servelm.layers.rotary import rope_inv_freq
+from servelm.models.config import ModelConfig
 from servelm.models.llama import build_empty_model
 
 PROMPTS = [

@@ -276,8 +276,15 @@ def test_k_quant_bytes_dequantize_like_transformers(qtype, tmp_path):
 
 
 def test_config_from_old_and_new_rope_layouts():
-    base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=64, intermediate_size=8,
-                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=10,
+        hidden_size=64,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     old = ModelConfig.from_hf_dict(base | {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
     new_rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
     new = ModelConfig.from_hf_dict(base | {"rope_parameters": new_rope})
@@ -285,11 +292,13 @@ def test_config_from_old_and_new_rope_layouts():
     assert old.rope_scaling == new.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     plain = ModelConfig.from_hf_dict(base | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
     assert plain.rope_scaling is None and plain.head_dim == 16
-    mistral = ModelConfig.from_hf_dict(base | {"architectures": ["MistralForCausalLM"], "sliding_window": 32,
-                                               "max_position_embeddings": 4096})
+    mistral = ModelConfig.from_hf_dict(
+        base | {"architectures": ["MistralForCausalLM"], "sliding_window": 32, "max_position_embeddings": 4096}
+    )
     assert mistral.max_model_len == 32
-    qwen2 = ModelConfig.from_hf_dict(base | {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32,
-                                             "eos_token_id": [5, 7]})
+    qwen2 = ModelConfig.from_hf_dict(
+        base | {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 32, "eos_token_id": [5, 7]}
+    )
     assert qwen2.sliding_window is None and qwen2.attention_bias and not qwen2.attention_out_bias
     assert qwen2.eos_token_ids == [5, 7]
 
@@ -302,9 +311,17 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 def test_unsupported_rope_scaling_is_named():
     with pytest.raises(UnsupportedModelError, match="yarn"):
-        ModelConfig.from_hf_dict(dict(architectures=["Qwen2ForCausalLM"], vocab_size=10, hidden_size=64,
-                                      intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
-                                      rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+        ModelConfig.from_hf_dict(
+            dict(
+                architectures=["Qwen2ForCausalLM"],
+                vocab_size=10,
+                hidden_size=64,
+                intermediate_size=8,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                rope_scaling={"rope_type": "yarn", "factor": 4.0},
+            )
+        )
 
 
 def test_unsupported_gguf_architecture_is_named(tmp_path):
@@ -339,5 +356,5 @@ def test_unsupported_dtype_is_clear():
 def test_non_gguf_file_is_clear(tmp_path):
     path = tmp_path / "model.bin"
     path.write_bytes(b"\0" * 16)
-    with pytest.raises(ModelLoadError, match="not a .gguf"):
+    with pytest.raises(ModelLoadError, match=r"not a \.gguf"):
         load_model(str(path), torch.float32, "cpu")

@@ -36,7 +36,9 @@ def test_small_and_large_batches_compute_with_the_same_quantized_weights(rows, i
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="this CPU/torch build has no bf16 oneDNN packing")
+@pytest.mark.skipif(
+    not can_pack(torch.bfloat16, torch.device("cpu")), reason="this CPU/torch build has no bf16 oneDNN packing"
+)
 @pytest.mark.parametrize("rows", [1, SMALL_BATCH + 1, 40])
 def test_bfloat16_layer_packs_its_dense_copy_for_large_batches(rows):
     torch.manual_seed(2)

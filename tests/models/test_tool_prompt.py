@@ -22,11 +22,21 @@ WEATHER_TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-CALL = {"id": "call_abc123XYZ789", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+CALL = {
+    "id": "call_abc123XYZ789",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
 CONVERSATION = [
     {"role": "user", "content": "Weather in Paris and Rome?"},
-    {"role": "assistant", "content": "", "tool_calls": [CALL, {**CALL, "id": "call_2", "function": {
-        "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            CALL,
+            {**CALL, "id": "call_2", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_abc123XYZ789", "content": "21 C"},
     {"role": "tool", "tool_call_id": "call_2", "content": "25 C"},
 ]
@@ -73,8 +83,10 @@ def test_chatml_template_renders_past_calls_and_results_in_the_hermes_format(tok
     calls = get_format("hermes").calls_text([("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}')])
     assert f"<|im_start|>assistant\n{calls}<|im_end|>\n" in text
     # Both results of the turn in one user message, as Hermes models were trained.
-    assert ("<|im_start|>user\n<tool_response>\n21 C\n</tool_response>\n<tool_response>\n25 C\n</tool_response>"
-            "<|im_end|>\n<|im_start|>assistant\n") in text
+    assert (
+        "<|im_start|>user\n<tool_response>\n21 C\n</tool_response>\n<tool_response>\n25 C\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    ) in text
     assert "<|im_start|>tool" not in text
 
 
@@ -92,8 +104,9 @@ def test_assistant_text_before_its_calls_is_kept(tokenizer):
 
 def test_a_template_that_reads_tools_renders_them_itself_with_arguments_as_objects(tokenizer):
     assert template_reads_tools(TOOL_TEMPLATE)
-    text = tokenizer.apply_chat_template(CONVERSATION, chat_template=TOOL_TEMPLATE, tools=[WEATHER_TOOL],
-                                         add_generation_prompt=False)
+    text = tokenizer.apply_chat_template(
+        CONVERSATION, chat_template=TOOL_TEMPLATE, tools=[WEATHER_TOOL], add_generation_prompt=False
+    )
     assert text == (
         "TOOLS:get_weather;\n"
         "user: Weather in Paris and Rome?\n"
@@ -106,7 +119,10 @@ def test_a_template_that_reads_tools_renders_them_itself_with_arguments_as_objec
 
 def test_mistral_templates_get_nine_character_call_ids(tokenizer):
     text = tokenizer.apply_chat_template(
-        CONVERSATION[:3], chat_template=TOOL_TEMPLATE, tools=[WEATHER_TOOL], tool_call_parser="mistral",
+        CONVERSATION[:3],
+        chat_template=TOOL_TEMPLATE,
+        tools=[WEATHER_TOOL],
+        tool_call_parser="mistral",
         add_generation_prompt=False,
     )
     # Nine characters: the id's last letters and digits, padded with zeros.
@@ -117,8 +133,12 @@ def test_mistral_templates_get_nine_character_call_ids(tokenizer):
 
 def test_arguments_that_are_not_json_reach_the_template_as_text():
     call = {**CALL, "function": {"name": "f", "arguments": "not json"}}
-    messages, extra = tool_messages([{"role": "assistant", "content": "", "tool_calls": [call]}], None,
-                                    get_format("hermes"), template_knows_tools=True)
+    messages, extra = tool_messages(
+        [{"role": "assistant", "content": "", "tool_calls": [call]}],
+        None,
+        get_format("hermes"),
+        template_knows_tools=True,
+    )
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == "not json"
     assert extra == {}
 

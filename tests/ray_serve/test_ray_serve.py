@@ -19,6 +19,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from servelm.connectors.ray_cluster import LOOPBACK_ENV
+
 from .conftest import MODEL, wait_for
 
 pytestmark = pytest.mark.model
@@ -55,7 +57,7 @@ def _stream_text(url: str, body: dict, on_event=None) -> tuple[str, str | None, 
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             if "error" in event:
                 errors.append(event)
                 continue
@@ -84,9 +86,9 @@ def test_replicas_on_both_nodes_serve(ray_deployment):
     def both_served():
         now = _metrics(url)
         served = {
-            rep for (name, rep), v in now.items()
-            if name == "servelm:prefix_cache_queries_total" and rep
-            and v > before.get((name, rep), 0.0)
+            rep
+            for (name, rep), v in now.items()
+            if name == "servelm:prefix_cache_queries_total" and rep and v > before.get((name, rep), 0.0)
         }
         return served if len(served) == 2 else None
 
@@ -153,14 +155,19 @@ def _totals(url: str) -> tuple[float, float]:
 def test_disconnected_streams_free_every_replica(ray_deployment):
     url = ray_deployment.url
     body = {
-        "model": MODEL, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True,
+        "model": MODEL,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
     }
 
     def open_and_leave(i: int) -> int:
         events = 0
         messages = [{"role": "user", "content": f"Write a long essay about the number {i}."}]
-        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "messages": messages},
-                          timeout=TIMEOUT) as r:
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json={**body, "messages": messages}, timeout=TIMEOUT
+        ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -181,11 +188,34 @@ def test_a_killed_replica_loses_no_stream_and_comes_back(ray_deployment, caplog)
     url = ray_deployment.url
     bodies = [
         {
-            "model": MODEL, "temperature": 0, "max_tokens": 24, "ignore_eos": True,
+            "model": MODEL,
+            "temperature": 0,
+            "max_tokens": 24,
+            "ignore_eos": True,
             "messages": [{"role": "user", "content": f"Tell me a story about a cat named {name}."}],
         }
-        for name in ["Tom", "Ada", "Max", "Kit", "Sam", "Leo", "Zoe", "Ivy", "Ben", "Eva",
-                     "Jim", "Una", "Ray", "Pam", "Ned", "Oli", "Gus", "Fay", "Hal", "Dot"]
+        for name in [
+            "Tom",
+            "Ada",
+            "Max",
+            "Kit",
+            "Sam",
+            "Leo",
+            "Zoe",
+            "Ivy",
+            "Ben",
+            "Eva",
+            "Jim",
+            "Una",
+            "Ray",
+            "Pam",
+            "Ned",
+            "Oli",
+            "Gus",
+            "Fay",
+            "Hal",
+            "Dot",
+        ]
     ]
     with ThreadPoolExecutor(20) as pool:
         healthy = list(pool.map(lambda b: _stream_text(url, b), bodies))
@@ -235,11 +265,25 @@ def test_a_killed_replica_loses_no_stream_and_comes_back(ray_deployment, caplog)
 def test_replicas_that_cannot_be_placed_fail_at_start(ray_deployment, tmp_path):
     # A replica wanting more CPUs than any node has: a clear error and exit, not a wait.
     cmd = [
-        sys.executable, "-m", "servelm", "serve", "--port", "0", "--embedding-model", "none",
-        "--ray-address", ray_deployment.address, "--replicas", "1", "--replica-cpus", "4",
-        "--ray-app-name", "servelm-unplaceable",
+        sys.executable,
+        "-m",
+        "servelm",
+        "serve",
+        "--port",
+        "0",
+        "--embedding-model",
+        "none",
+        "--ray-address",
+        ray_deployment.address,
+        "--replicas",
+        "1",
+        "--replica-cpus",
+        "4",
+        "--ray-app-name",
+        "servelm-unplaceable",
     ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
+    # Nothing of the fixture's Ray environment either: joining a loopback address keeps loopback by itself.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_") and k != LOOPBACK_ENV}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "largest node of the cluster has 1" in result.stderr

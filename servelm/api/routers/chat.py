@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from servelm.api.protocol import ChatCompletionRequest, ChatCompletionResponse
+from servelm.api.protocol import ChatCompletionRequest
+from servelm.api.responses import ChatCompletionResponse
 from servelm.api.routers.common import ERRORS, app_state
 
 router = APIRouter(tags=["chat"], strict_content_type=False)

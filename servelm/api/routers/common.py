@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import Request
 
-from servelm.api.protocol import ErrorResponse
+from servelm.api.responses import ErrorResponse
 from servelm.api.state import AppState
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -16,10 +16,13 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorResponse, "description": "Request body too large."},
     408: {"model": ErrorResponse, "description": "The request ran past the server's request timeout."},
     429: {"model": ErrorResponse, "description": "Rate limit hit, or the server's queue is full (see Retry-After)."},
-    503: {"model": ErrorResponse, "description": "Models are still loading, the server is shutting down, or the engine is down."},
+    503: {
+        "model": ErrorResponse,
+        "description": "Models are still loading, the server is shutting down, or the engine is down.",
+    },
 }
 
 
 def app_state(request: Request) -> AppState:
     """The handlers of the app serving this request."""
-    return request.app.state.servelm
+    return cast(AppState, request.app.state.servelm)

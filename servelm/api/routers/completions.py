@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from servelm.api.protocol import CompletionRequest, CompletionResponse
+from servelm.api.protocol import CompletionRequest
+from servelm.api.responses import CompletionResponse
 from servelm.api.routers.common import ERRORS, app_state
 
 router = APIRouter(tags=["completions"], strict_content_type=False)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from servelm.api.protocol import EmbeddingRequest, EmbeddingResponse
+from servelm.api.protocol import EmbeddingRequest
+from servelm.api.responses import EmbeddingResponse
 from servelm.api.routers.common import ERRORS, app_state
 
 router = APIRouter(tags=["embeddings"], strict_content_type=False)

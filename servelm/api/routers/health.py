@@ -15,7 +15,7 @@ from servelm.api.serving_base import not_ready_error
 
 router = APIRouter(tags=["operations"])
 
-_NOT_READY = {503: {"description": "Models are still loading, or the engine is down."}}
+_NOT_READY: dict[int | str, dict[str, Any]] = {503: {"description": "Models are still loading, or the engine is down."}}
 
 
 async def _require_healthy(request: Request) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from servelm.api.protocol import ModelList, ModelObject
+from servelm.api.responses import ModelList, ModelObject
 from servelm.api.routers.common import ERRORS, app_state
 from servelm.connectors.base import ModelCard, ModelNotFound
 

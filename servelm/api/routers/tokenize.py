@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from servelm.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from servelm.api.protocol import DetokenizeRequest, TokenizeRequest
+from servelm.api.responses import DetokenizeResponse, TokenizeResponse
 from servelm.api.routers.common import ERRORS, app_state
 
 router = APIRouter(tags=["tokenize"], strict_content_type=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from servelm.web import STATIC_DIR
 
@@ -63,7 +63,7 @@ class SecureStaticFiles(StaticFiles):
     """The pages' scripts, styles and vendored libraries, with the same security headers."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def with_headers(message):
+        async def with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 headers += [(k.lower().encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]

@@ -22,14 +22,22 @@ from servelm.engine.scheduler import ScheduledSeq
 from servelm.engine.spec_decode.rejection_sampler import sampling_distribution
 from servelm.engine.spec_decode.verifier import state_after
 from servelm.models.loader import load_model
+from servelm.models.tokenizer import Tokenizer
 from servelm.models.weight_layout import lay_out_weights
 
 
 class DraftModel:
     """The draft model and its KV cache (allocated once the target sized the cache: :meth:`allocate`)."""
 
-    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, quantization: str, cpu_matmul: str,
-                 target_tokenizer):
+    def __init__(
+        self,
+        path: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str,
+        cpu_matmul: str,
+        target_tokenizer: Tokenizer,
+    ):
         self.model, self.model_config, tokenizer = load_model(path, dtype, device)
         lay_out_weights(self.model, quantization, cpu_matmul)
         if tokenizer.hf.get_vocab() != target_tokenizer.hf.get_vocab():
@@ -90,8 +98,9 @@ class DraftProposer:
             tokens, probs = _draw(logits, states)
             for n, i in enumerate(active):
                 proposals[i].append(tokens[n])
-                if probs[n] is not None:
-                    dists[i].append(probs[n])
+                drawn_from = probs[n]
+                if drawn_from is not None:
+                    dists[i].append(drawn_from)
             active = [i for i in active if len(proposals[i]) < live[i].num_lookahead]
             if not active:
                 break
@@ -100,7 +109,7 @@ class DraftProposer:
                 Chunk([proposals[i][-1]], live[i].seq.num_tokens - 1 + len(proposals[i]), live[i].seq.block_table)
                 for i in active
             ]
-        out = {}
+        out: dict[int, torch.Tensor] = {}
         for s, proposal, dist in zip(live, proposals, dists):
             s.propose(proposal)
             # It computed the last token and every proposed one but the newest.

@@ -32,5 +32,5 @@ def ngram_proposal(token_ids: list[int], min_n: int, max_n: int, k: int) -> list
         hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
         if hits.size:
             after = int(hits[-1]) + n
-            return tokens[after : after + k].tolist()
+            return [int(t) for t in tokens[after : after + k]]
     return []

@@ -45,7 +45,7 @@ def greedy_accept(target_tokens: list[int], proposal: list[int]) -> list[int]:
     accepted = 0
     while accepted < len(proposal) and proposal[accepted] == target_tokens[accepted]:
         accepted += 1
-    return proposal[:accepted] + [target_tokens[accepted]]
+    return [*proposal[:accepted], target_tokens[accepted]]
 
 
 def rejection_sample(
@@ -85,4 +85,4 @@ def rejection_sample(
         if residual.sum() > 0:
             target = residual
     token = int(random_choice(target[None], [generator])[0])
-    return proposal[:accepted] + [token]
+    return [*proposal[:accepted], token]

@@ -78,10 +78,12 @@ def verify(logits: torch.Tensor, specs: list[Speculation]) -> list[list[SampledR
     return _with_logprobs(raw, states, specs, runs)
 
 
-def _with_logprobs(raw, states, specs, runs) -> list[list[SampledRow]]:
+def _with_logprobs(
+    raw: torch.Tensor, states: list[SamplingState], specs: list[Speculation], runs: list[list[int]]
+) -> list[list[SampledRow]]:
     # Token j of a run sits at row j of its speculation's rows.
-    emitted_rows = []
-    emitted_tokens = []
+    emitted_rows: list[int] = []
+    emitted_tokens: list[int] = []
     row0 = 0
     for s, run in zip(specs, runs):
         emitted_rows += range(row0, row0 + len(run))

@@ -88,4 +88,7 @@ class ToolCallFormat:
         elements = [{"type": "const_string", "value": s} for s in (self.run_open,) if s]
         elements.append(calls)
         elements += [{"type": "const_string", "value": s} for s in (self.run_close,) if s]
-        return {"type": "structural_tag", "format": calls if len(elements) == 1 else {"type": "sequence", "elements": elements}}
+        return {
+            "type": "structural_tag",
+            "format": calls if len(elements) == 1 else {"type": "sequence", "elements": elements},
+        }
