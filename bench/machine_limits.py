@@ -121,9 +121,11 @@ def _int8_candidates(m: int, k: int, n: int) -> list[tuple[str, Callable[[], Cal
         x, scales = torch.randn(m, k).to(torch.bfloat16), torch.rand(n)
         return lambda: native.w8a8_linear(x, packed, scales, n)
 
-    return [(f"torch._int_mm {m}x{k}x{n}", int_mm)] + [
-        (f"quantized linear ({e}) {m}x{k}x{n}", quantized(e)) for e in QUANTIZED_ENGINES
-    ] + [(f"servelm w8a8 (VNNI) {m}x{k}x{n}", servelm_w8a8)]
+    return (
+        [(f"torch._int_mm {m}x{k}x{n}", int_mm)]
+        + [(f"quantized linear ({e}) {m}x{k}x{n}", quantized(e)) for e in QUANTIZED_ENGINES]
+        + [(f"servelm w8a8 (VNNI) {m}x{k}x{n}", servelm_w8a8)]
+    )
 
 
 def _read_candidates(mib: int) -> list[tuple[str, Callable[[], Callable[[], object]], int]]:

@@ -160,7 +160,9 @@ def _compare(llm, other, args, prompts, params) -> None:
     n_out = args.num_prompts * args.output_len
     engines = (llm, other)
     batched = _interleaved_rates([lambda e=e: e.generate(prompts, params) for e in engines], n_out, args.repeats)
-    one = _interleaved_rates([lambda e=e: e.generate(prompts[:1], params) for e in engines], args.output_len, args.repeats)
+    one = _interleaved_rates(
+        [lambda e=e: e.generate(prompts[:1], params) for e in engines], args.output_len, args.repeats
+    )
     print(
         f"model {args.model}, {llm.engine.runner.dtype}, {args.num_prompts} requests x {args.input_len} prompt + "
         f"{args.output_len} output tokens, median of {args.repeats} alternating runs, "
@@ -169,7 +171,9 @@ def _compare(llm, other, args, prompts, params) -> None:
     print(f"{'output tok/s':>40s}{'all batched':>14s}{'batch 1':>10s}")
     for name, b, o in ((args.quantization, batched[0], one[0]), (args.against, batched[1], one[1])):
         print(f"{'servelm, quantization ' + name:40s}{b:14.1f}{o:10.1f}")
-    print(f"ratio {args.against} / {args.quantization}: {batched[1] / batched[0]:.2f}x batched, {one[1] / one[0]:.2f}x batch 1")
+    print(
+        f"ratio {args.against} / {args.quantization}: {batched[1] / batched[0]:.2f}x batched, {one[1] / one[0]:.2f}x batch 1"
+    )
 
 
 if __name__ == "__main__":

@@ -65,8 +65,14 @@ def main() -> None:
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     tokens, perplexity = {}, {}
     for mode in args.modes:
-        llm = LLM(args.model, dtype="bfloat16", device="cpu", kv_cache_memory=256 << 20, quantization=mode,
-                  enable_prefix_caching=False)  # fmt: skip
+        llm = LLM(
+            args.model,
+            dtype="bfloat16",
+            device="cpu",
+            kv_cache_memory=256 << 20,
+            quantization=mode,
+            enable_prefix_caching=False,
+        )
         tokens[mode] = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, greedy)]
         scored = llm.generate(TEXT, score)[0].prompt_logprobs
         logprobs = [p.chosen.logprob for p in scored if p is not None]
@@ -82,10 +88,12 @@ def main() -> None:
         same = sum(x == y for a, b in zip(base, tokens[mode]) for x, y in zip(a, b))
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(base, tokens[mode])]
         identical = sum(a == b for a, b in zip(base, tokens[mode]))
-        print(f"{mode:>5} vs bfloat16: {100 * same / total:.1f}% of tokens identical at the same position, "
-              f"{100 * sum(prefix) / total:.1f}% before the first difference, {identical}/{len(base)} completions "
-              f"identical; perplexity {perplexity[mode]:.3f} vs {perplexity['none']:.3f} "
-              f"({100 * (perplexity[mode] / perplexity['none'] - 1):+.2f}%)")
+        print(
+            f"{mode:>5} vs bfloat16: {100 * same / total:.1f}% of tokens identical at the same position, "
+            f"{100 * sum(prefix) / total:.1f}% before the first difference, {identical}/{len(base)} completions "
+            f"identical; perplexity {perplexity[mode]:.3f} vs {perplexity['none']:.3f} "
+            f"({100 * (perplexity[mode] / perplexity['none'] - 1):+.2f}%)"
+        )
 
 
 if __name__ == "__main__":

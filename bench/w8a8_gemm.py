@@ -29,7 +29,6 @@ import sys
 import time
 
 import torch
-
 from machine_limits import parse_gemm
 
 SMOLLM_LAYERS = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
@@ -75,15 +74,23 @@ def best_times(runs: dict[str, object], repeats: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gemm", type=parse_gemm, nargs="+", default=[parse_gemm(g) for g in DEFAULT_GEMMS],
-                    metavar="MxKxN", help="shapes (default: %(default)s)")
+    ap.add_argument(
+        "--gemm",
+        type=parse_gemm,
+        nargs="+",
+        default=[parse_gemm(g) for g in DEFAULT_GEMMS],
+        metavar="MxKxN",
+        help="shapes (default: %(default)s)",
+    )
     ap.add_argument("--repeats", type=int, default=10, help="alternating rounds; each candidate's best counts")
     ap.add_argument("--threads", type=int, help="torch's (and the kernels') threads (default: the cores)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"cpu threads={torch.get_num_threads()}, best of {args.repeats} alternating calls; "
-          "G = 1e9 (int8 ops or FLOPs)/s")
+    print(
+        f"cpu threads={torch.get_num_threads()}, best of {args.repeats} alternating calls; "
+        "G = 1e9 (int8 ops or FLOPs)/s"
+    )
     print(f"{'M x K x N':>16s}" + "".join(f"{name:>13s}" for name in (*COLUMNS, "w8a8/bf16")))
     with torch.inference_mode():
         for m, k, n in args.gemm:

@@ -55,6 +55,7 @@ def test_w8a8_linear_is_the_int8_product_and_within_the_bound_of_the_float_one(m
     out_rounding = (2**-8 if dtype == torch.bfloat16 else 1e-5) * got.double().abs()
     assert ((got.double() - float_out).abs() <= float_error_bound(x, original, layer) + out_rounding + 1e-4).all()
 
+
 def test_zero_rows_and_a_zero_row_among_others(native_kernels):
     layer = W8A8Linear(torch.randn(20, 32))
     assert layer(torch.zeros(0, 32)).shape == (0, 20)
