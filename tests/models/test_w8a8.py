@@ -65,6 +65,22 @@ def test_zero_rows_and_a_zero_row_among_others(native_kernels):
     assert torch.equal(out[1], torch.zeros(20)) and torch.isfinite(out).all()
 
 
+def test_without_the_kernels_one_warning_names_the_slower_path(monkeypatch, caplog):
+    from servelm import kernels
+    from servelm.models import w8a8
+
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
+    w8a8._warn_portable.cache_clear()
+    with caplog.at_level("WARNING", logger="servelm.models.w8a8"):
+        layers = [W8A8Linear(torch.randn(8, 16)) for _ in range(3)]
+    assert all(layer.packed is None for layer in layers)
+    assert [r.getMessage() for r in caplog.records] == [
+        "w8a8: servelm's int8 GEMM does not run here (servelm's CPU kernels are unavailable): "
+        "torch._int_mm runs instead, slower"
+    ]
+    w8a8._warn_portable.cache_clear()
+
+
 def test_leading_axes_are_kept():
     layer = W8A8Linear(torch.randn(8, 16))
     assert layer(torch.randn(2, 3, 16)).shape == (2, 3, 8)
