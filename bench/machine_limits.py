@@ -75,6 +75,18 @@ def parse_gemm(text: str) -> tuple[int, int, int]:
     return m, k, n
 
 
+def add_gemm_option(ap: argparse.ArgumentParser, defaults: list[str]) -> None:
+    """``--gemm MxKxN ...``: the GEMM shapes to measure (this script's and bench/w8a8_gemm.py's)."""
+    ap.add_argument(
+        "--gemm",
+        type=parse_gemm,
+        nargs="+",
+        default=[parse_gemm(g) for g in defaults],
+        metavar="MxKxN",
+        help="GEMM shapes (default: %(default)s)",
+    )
+
+
 def _bf16_candidates(m: int, k: int, n: int) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     def plain():
         x, w = torch.randn(m, k).to(torch.bfloat16), torch.randn(n, k).to(torch.bfloat16)
@@ -196,14 +208,7 @@ def _cpu_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--gemm",
-        type=parse_gemm,
-        nargs="+",
-        default=[parse_gemm(g) for g in DEFAULT_GEMMS],
-        metavar="MxKxN",
-        help="GEMM shapes (default: %(default)s)",
-    )
+    add_gemm_option(ap, DEFAULT_GEMMS)
     ap.add_argument(
         "--read-mib",
         type=int,

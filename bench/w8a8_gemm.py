@@ -29,7 +29,7 @@ import sys
 import time
 
 import torch
-from machine_limits import parse_gemm
+from machine_limits import add_gemm_option
 
 SMOLLM_LAYERS = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
 COLUMNS = ("bf16 oneDNN", "bf16 pairs", "int8 gemv", "w8a8")
@@ -74,14 +74,7 @@ def best_times(runs: dict[str, object], repeats: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--gemm",
-        type=parse_gemm,
-        nargs="+",
-        default=[parse_gemm(g) for g in DEFAULT_GEMMS],
-        metavar="MxKxN",
-        help="shapes (default: %(default)s)",
-    )
+    add_gemm_option(ap, DEFAULT_GEMMS)
     ap.add_argument("--repeats", type=int, default=10, help="alternating rounds; each candidate's best counts")
     ap.add_argument("--threads", type=int, help="torch's (and the kernels') threads (default: the cores)")
     args = ap.parse_args(argv)
