@@ -14,7 +14,9 @@ divides each server's achieved FLOP/s and bytes/s by these figures::
 - int8 GEMM: ``torch._int_mm`` (int8 x int8 -> int32) and the quantized
   engines' linear (``onednn``, ``x86``, ``fbgemm``: uint8 activations times
   int8 weights, int32 accumulation, requantized output) on the same shapes.
-  Integer multiply-adds count 2 ops, as FLOPs do.
+  Integer multiply-adds count 2 ops, as FLOPs do. Beside them servelm's own
+  W8A8 GEMM (``--quantization w8a8``; AVX512-VNNI CPUs), over bfloat16
+  activations quantized per row inside the timing.
 - Memory read: the sum of a ``--read-mib`` tensor in bfloat16 and in float32
   (bytes of the tensor / time), far larger than any cache.
 
@@ -73,6 +75,18 @@ def parse_gemm(text: str) -> tuple[int, int, int]:
     return m, k, n
 
 
+def add_gemm_option(ap: argparse.ArgumentParser, defaults: list[str]) -> None:
+    """``--gemm MxKxN ...``: the GEMM shapes to measure (this script's and bench/w8a8_gemm.py's)."""
+    ap.add_argument(
+        "--gemm",
+        type=parse_gemm,
+        nargs="+",
+        default=[parse_gemm(g) for g in defaults],
+        metavar="MxKxN",
+        help="GEMM shapes (default: %(default)s)",
+    )
+
+
 def _bf16_candidates(m: int, k: int, n: int) -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     def plain():
         x, w = torch.randn(m, k).to(torch.bfloat16), torch.randn(n, k).to(torch.bfloat16)
@@ -109,9 +123,21 @@ def _int8_candidates(m: int, k: int, n: int) -> list[tuple[str, Callable[[], Cal
 
         return make
 
-    return [(f"torch._int_mm {m}x{k}x{n}", int_mm)] + [
-        (f"quantized linear ({e}) {m}x{k}x{n}", quantized(e)) for e in QUANTIZED_ENGINES
-    ]
+    def servelm_w8a8():
+        from servelm import kernels
+
+        native = kernels.cpu_kernels()
+        packed = native.w8a8_pack(torch.randint(-127, 128, (n, k), dtype=torch.int8)) if native else None
+        if packed is None:
+            raise RuntimeError("servelm's W8A8 kernel does not run here (no kernels or no AVX512-VNNI)")
+        x, scales = torch.randn(m, k).to(torch.bfloat16), torch.rand(n)
+        return lambda: native.w8a8_linear(x, packed, scales, n)
+
+    return (
+        [(f"torch._int_mm {m}x{k}x{n}", int_mm)]
+        + [(f"quantized linear ({e}) {m}x{k}x{n}", quantized(e)) for e in QUANTIZED_ENGINES]
+        + [(f"servelm w8a8 (VNNI) {m}x{k}x{n}", servelm_w8a8)]
+    )
 
 
 def _read_candidates(mib: int) -> list[tuple[str, Callable[[], Callable[[], object]], int]]:
@@ -182,14 +208,7 @@ def _cpu_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--gemm",
-        type=parse_gemm,
-        nargs="+",
-        default=[parse_gemm(g) for g in DEFAULT_GEMMS],
-        metavar="MxKxN",
-        help="GEMM shapes (default: %(default)s)",
-    )
+    add_gemm_option(ap, DEFAULT_GEMMS)
     ap.add_argument(
         "--read-mib",
         type=int,

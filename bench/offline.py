@@ -4,8 +4,13 @@ N prompts of fixed input length and fixed output length (EOS ignored). Prints
 output tokens per second for servelm (all N batched by the engine), HF
 ``generate`` one request at a time, HF ``generate`` batched, and batch-1
 decode for both, then the ratios. Each figure is the median of --repeats runs.
+With ``--against MODE`` a second servelm engine runs with ``--quantization
+MODE`` beside the first, their runs alternating (one of each per repeat, so
+that a change in the machine's load hits both), and the ratio is printed;
+``--no-hf`` leaves the HF runs out.
 
     .venv/bin/python bench/offline.py --num-prompts 64 --input-len 128 --output-len 128
+    .venv/bin/python bench/offline.py --dtype bfloat16 --against w8a8 --no-hf --no-prefix-caching --repeats 5
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from servelm.engine.config import QUANTIZATIONS
+
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
@@ -27,12 +34,18 @@ def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def _median_rate(fn, tokens: int, repeats: int) -> float:
-    rates = []
+    return _interleaved_rates([fn], tokens, repeats)[0]
+
+
+def _interleaved_rates(fns: list, tokens: int, repeats: int) -> list[float]:
+    """Each function's median rate over ``repeats`` rounds, one call of each function per round."""
+    rates: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        rates.append(tokens / (time.perf_counter() - t0))
-    return statistics.median(rates)
+        for fn, fn_rates in zip(fns, rates):
+            t0 = time.perf_counter()
+            fn()
+            fn_rates.append(tokens / (time.perf_counter() - t0))
+    return [statistics.median(r) for r in rates]
 
 
 def main() -> None:
@@ -51,26 +64,45 @@ def main() -> None:
     ap.add_argument("--hf-dtype", default=None, help="dtype of the HF baseline (default: --dtype's)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="servelm's (default: %(default)s)")
+    ap.add_argument("--against", choices=QUANTIZATIONS, help="also run servelm with this quantization, alternating")
+    ap.add_argument("--no-hf", action="store_true", help="leave out the HF baseline")
+    ap.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="servelm prefills every prompt on every run (by default runs after the first find them cached)",
+    )
     args = ap.parse_args()
 
-    from transformers import AutoModelForCausalLM
-
     from servelm import LLM, SamplingParams
-    from servelm.engine.device import resolve_dtype
-    from servelm.models.registry import resolve_model_path
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device="cpu",
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=2 << 30,
-    )
+    def engine(quantization: str) -> LLM:
+        return LLM(
+            args.model,
+            dtype=args.dtype,
+            device="cpu",
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory=2 << 30,
+            quantization=quantization,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
+
+    llm = engine(args.quantization)
     dtype = llm.engine.runner.dtype  # what --dtype (auto included) resolved to
     vocab = llm.engine.runner.model_config.vocab_size
     prompts = _prompts(vocab, args.num_prompts, args.input_len, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    n_out = args.num_prompts * args.output_len
+    if args.against:
+        _compare(llm, engine(args.against), args, prompts, params)
+    if args.no_hf:
+        return
+
+    from transformers import AutoModelForCausalLM
+
+    from servelm.engine.device import resolve_dtype
+    from servelm.models.registry import resolve_model_path
 
     hf_dtype = resolve_dtype(args.hf_dtype, torch.device("cpu")) if args.hf_dtype else dtype
     path = resolve_model_path(args.model)
@@ -92,7 +124,6 @@ def main() -> None:
                 pad_token_id=0,
             )
 
-    n_out = args.num_prompts * args.output_len
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     servelm_rate = _median_rate(lambda: llm.generate(prompts, params), n_out, args.repeats)
     servelm_b1 = _median_rate(lambda: llm.generate(prompts[:1], params), args.output_len, args.repeats)
@@ -102,7 +133,10 @@ def main() -> None:
     hf_single = _median_rate(lambda: [hf_generate([p]) for p in single], len(single) * args.output_len, args.repeats)
     hf_batched = _median_rate(lambda: hf_generate(prompts), n_out, args.repeats)
 
-    print(f"model {args.model}, servelm {dtype}, HF {hf_dtype}, cpu threads={torch.get_num_threads()}")
+    print(
+        f"model {args.model}, servelm {dtype} (quantization {args.quantization}), HF {hf_dtype}, "
+        f"cpu threads={torch.get_num_threads()}"
+    )
     print(
         f"{args.num_prompts} requests x {args.input_len} prompt + {args.output_len} output tokens, "
         f"median of {args.repeats}"
@@ -116,6 +150,30 @@ def main() -> None:
     print(f"ratio servelm / HF one at a time: {servelm_rate / hf_single:.2f}x")
     print(f"ratio servelm / HF batched:       {servelm_rate / hf_batched:.2f}x")
     print(f"ratio batch-1 servelm / HF:       {servelm_b1 / hf_b1:.2f}x")
+
+
+def _compare(llm, other, args, prompts, params) -> None:
+    """servelm with --quantization against servelm with --against, batched and batch 1, runs alternating."""
+    warm = type(params)(temperature=0.0, max_tokens=4)
+    for engine in (llm, other):
+        engine.generate(prompts[:2], warm)
+    n_out = args.num_prompts * args.output_len
+    engines = (llm, other)
+    batched = _interleaved_rates([lambda e=e: e.generate(prompts, params) for e in engines], n_out, args.repeats)
+    one = _interleaved_rates(
+        [lambda e=e: e.generate(prompts[:1], params) for e in engines], args.output_len, args.repeats
+    )
+    print(
+        f"model {args.model}, {llm.engine.runner.dtype}, {args.num_prompts} requests x {args.input_len} prompt + "
+        f"{args.output_len} output tokens, median of {args.repeats} alternating runs, "
+        f"cpu threads={torch.get_num_threads()}"
+    )
+    print(f"{'output tok/s':>40s}{'all batched':>14s}{'batch 1':>10s}")
+    for name, b, o in ((args.quantization, batched[0], one[0]), (args.against, batched[1], one[1])):
+        print(f"{'servelm, quantization ' + name:40s}{b:14.1f}{o:10.1f}")
+    print(
+        f"ratio {args.against} / {args.quantization}: {batched[1] / batched[0]:.2f}x batched, {one[1] / one[0]:.2f}x batch 1"
+    )
 
 
 if __name__ == "__main__":

@@ -61,11 +61,13 @@ class EngineSettings(BaseModel):
         0, "engine random seed (a request's own seed overrides it for that request)", group="engine", metavar="N"
     )
 
-    quantization: Literal["none", "int8"] = setting(
+    quantization: Literal["none", "int8", "w8a8"] = setting(
         "none",
         "weights: none, or int8 weight-only on CPU (per-row scales); int8 decodes one sequence faster than "
         "float32 and bfloat16 and keeps a float copy for large batches, so it uses more memory, not less; "
-        "greedy outputs agree with float32 closely but not exactly (docs/BENCHMARKS.md)",
+        "w8a8 (CPU) also quantizes activations per token and multiplies int8 by int8, for prefill and batched "
+        "decoding (up to twice bfloat16's rate with AVX512-VNNI; one sequence decodes as with int8); greedy "
+        "outputs agree with unquantized ones closely but not exactly (docs/BENCHMARKS.md)",
         group="engine",
     )
 

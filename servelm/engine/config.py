@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# none; int8: weight-only (servelm/models/quantization.py); w8a8: int8 weights and activations
+# (servelm/models/w8a8.py). Both CPU only.
+QUANTIZATIONS = ("none", "int8", "w8a8")
+
 
 @dataclass
 class EngineConfig:
@@ -23,7 +27,7 @@ class EngineConfig:
     kv_cache_memory: int | float = 1 << 30
     enable_prefix_caching: bool = True
     seed: int = 0
-    quantization: str = "none"  # none, or int8: weight-only int8 (CPU), see servelm/models/quantization.py
+    quantization: str = "none"  # one of QUANTIZATIONS
     cpu_matmul: str = "auto"  # auto, onednn or pairs: decoding's small bf16 matmuls on CPU, see models/packed.py
     # Speculative decoding (servelm/engine/spec_decode): none, ngram (prompt lookup) or draft (a smaller
     # model with the same tokenizer, speculative_model). Each step proposes up to num_speculative_tokens
@@ -44,8 +48,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if isinstance(self.kv_cache_memory, float) and not 0.0 < self.kv_cache_memory <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.cpu_matmul not in ("auto", "onednn", "pairs"):
             raise ValueError(f"cpu_matmul must be auto, onednn or pairs, got {self.cpu_matmul!r}")
         if isinstance(self.kv_cache_memory, int) and self.kv_cache_memory <= 0:

@@ -276,6 +276,51 @@ at::Tensor gemm_pairs(const at::Tensor &x_arg, const at::Tensor &pairs, int64_t 
     return out;
 }
 
+std::optional<at::Tensor> w8a8_pack(const at::Tensor &qweight_arg) {
+    const char *op = "w8a8_pack";
+    check_cpu(op, {&qweight_arg});
+    CHECK_ARG(qweight_arg.scalar_type() == at::kChar && qweight_arg.dim() == 2 && qweight_arg.size(0) > 0 &&
+                  qweight_arg.size(1) > 0,
+              op, ": qweight must be int8 [out_features, in_features], neither empty");
+    if (!w8a8_supported()) return std::nullopt;
+    const at::Tensor qweight = qweight_arg.contiguous();
+    const int64_t n = qweight.size(0), k = qweight.size(1);
+    at::Tensor packed = at::empty({w8a8_packed_bytes(n, k)}, qweight.options());
+    ::w8a8_pack(qweight.data_ptr<int8_t>(), n, k, packed.data_ptr<int8_t>(), at::get_num_threads());
+    return packed;
+}
+
+at::Tensor w8a8_linear(const at::Tensor &x_arg, const at::Tensor &packed, const at::Tensor &scales,
+                       int64_t out_features, const std::optional<at::Tensor> &bias_arg) {
+    const char *op = "w8a8_linear";
+    check_cpu(op, {&x_arg, &packed, &scales});
+    CHECK_ARG(w8a8_supported(), op, ": this CPU has no AVX512-VNNI, so no packed layout (w8a8_pack gives None)");
+    check_float(op, x_arg, {});
+    CHECK_ARG(x_arg.dim() == 2 && x_arg.size(1) > 0 && out_features > 0, op, ": x must be [rows, in_features]");
+    // Each int32 sum adds in_features products of at most 255 * 127.
+    CHECK_ARG(x_arg.size(1) <= 65536, op, ": in_features up to 65536 (int32 sums), not ", x_arg.size(1));
+    CHECK_ARG(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.size(0) == w8a8_packed_bytes(out_features, x_arg.size(1)),
+              op, ": packed must be w8a8_pack's int8 tensor for [out_features, x's in_features]");
+    CHECK_ARG(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == out_features &&
+                  scales.is_contiguous(),
+              op, ": scales must be contiguous float32 [out_features]");
+    at::Tensor bias;
+    if (bias_arg) {
+        check_cpu(op, {&*bias_arg});
+        check_float(op, x_arg, {&*bias_arg});
+        CHECK_ARG(bias_arg->dim() == 1 && bias_arg->size(0) == out_features, op, ": bias must be [out_features]");
+        bias = bias_arg->contiguous();
+    }
+    const at::Tensor x = x_arg.contiguous();
+    at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+    if (x.size(0) == 0) return out;
+    ::w8a8_gemm(x.data_ptr(), x.scalar_type() == at::kBFloat16, x.size(0), x.size(1), packed.data_ptr<int8_t>(),
+                scales.data_ptr<float>(), bias_arg ? bias.data_ptr() : nullptr, out_features, out.data_ptr(),
+                at::get_num_threads());
+    return out;
+}
+
 }  // namespace servelm
 
 TORCH_LIBRARY_FRAGMENT(servelm, m) {
@@ -290,6 +335,8 @@ TORCH_LIBRARY_FRAGMENT(servelm, m) {
     m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("pack_pairs(Tensor weight) -> Tensor?");
     m.def("gemm_pairs(Tensor x, Tensor pairs, int out_features, Tensor? bias=None) -> Tensor");
+    m.def("w8a8_pack(Tensor qweight) -> Tensor?");
+    m.def("w8a8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(servelm, CPU, m) {
@@ -303,4 +350,6 @@ TORCH_LIBRARY_IMPL(servelm, CPU, m) {
     m.impl("gemv", &servelm::gemv);
     m.impl("pack_pairs", &servelm::pack_pairs);
     m.impl("gemm_pairs", &servelm::gemm_pairs);
+    m.impl("w8a8_pack", &servelm::w8a8_pack);
+    m.impl("w8a8_linear", &servelm::w8a8_linear);
 }

@@ -71,6 +71,8 @@ class CpuKernels:
         self._gemv = ops.gemv.default
         self._pack_pairs = ops.pack_pairs.default
         self._gemm_pairs = ops.gemm_pairs.default
+        self._w8a8_pack = ops.w8a8_pack.default
+        self._w8a8_linear = ops.w8a8_linear.default
 
     @staticmethod
     def supports(*tensors: torch.Tensor) -> bool:
@@ -162,6 +164,26 @@ class CpuKernels:
         """``x W^T + b`` for a few bfloat16 rows ``x`` ``[M, K]``, with W ``[out_features, K]`` as
         ``pack_pairs`` made it and ``bias`` ``[out_features]`` bfloat16; float32 sums rounded once. ``[M, N]``."""
         return self._gemm_pairs(x, pairs, out_features, bias)
+
+    def w8a8_pack(self, qweight: torch.Tensor) -> torch.Tensor | None:
+        """An int8 ``qweight`` ``[N, K]`` in ``w8a8_linear``'s layout (an opaque 1-D int8 tensor: 16 outputs x 4
+        of K per vector, then each output's zero-point compensation), or None where that kernel does not run
+        (no AVX512-VNNI)."""
+        return self._w8a8_pack(qweight)
+
+    def w8a8_linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``x W^T + b`` in int8 for ``x`` ``[M, K]`` bfloat16 or float32: each row of ``x`` quantized to int8
+        with its own scale (max |x| / 127, rounded to nearest), multiplied by W = ``packed`` (``w8a8_pack``'s)
+        times float32 ``scales`` ``[out_features]`` per output with int32 sums, scaled back and ``bias`` (x's
+        dtype, ``[out_features]``) added in float32, rounded once to x's dtype. Returns ``[M, out_features]``."""
+        return self._w8a8_linear(x, packed, scales, out_features, bias)
 
     def one_token_decoder(
         self,

@@ -70,6 +70,16 @@ def self_check(kernels: CpuKernels) -> None:
         rows, wide_bias = x.to(torch.bfloat16), torch.cat([bias, bias, bias[:8]])
         pairs_expected = rows.double() @ wide.double().T + wide_bias.double()
         checks["gemm_pairs"] = (lambda dt: kernels.gemm_pairs(rows, pairs, 32, wide_bias), pairs_expected)
+    packed = kernels.w8a8_pack(qweight)
+    if packed is not None:  # rows quantized as the kernel does (max |row| / 127), int8 sums exact
+        xb, w8a8_bias = x.bfloat16().float(), res[0, :12].bfloat16().float()  # the same values in both dtypes
+        top = xb.abs().amax(1, keepdim=True)
+        q = torch.round(xb * (torch.full_like(top, 127.0) / top)).clamp(-127, 127)  # 127.0 / top: 127 * (1 / top)
+        w8a8_expected = (q.double() @ qweight.double().T) * (top.double() / 127) * scales.double() + w8a8_bias.double()
+        checks["w8a8_linear"] = (
+            lambda dt: kernels.w8a8_linear(xb.to(dt), packed, scales.float(), 12, w8a8_bias.to(dt)),
+            w8a8_expected,
+        )
     _check_prefill(kernels, gen)
     for name, (run, expected) in checks.items():
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):

@@ -4,9 +4,10 @@ The model is built with these (plain ``nn.Linear`` underneath), and a
 checkpoint's separate tensors are copied into their shards. After loading,
 ``servelm.models.weight_layout`` swaps every linear layer for the layout that
 runs fastest on the device: oneDNN-prepacked with servelm's own kernels for
-decoding (``servelm.models.packed.PackedLinear``) or int8
-(``servelm.models.quantization.Int8Linear``); each of those picks its native
-kernel or PyTorch in its ``forward``.
+decoding (``servelm.models.packed.PackedLinear``), int8
+(``servelm.models.quantization.Int8Linear``) or int8 weights and activations
+(``servelm.models.w8a8.W8A8Linear``); each of those picks its native kernel or
+PyTorch in its ``forward``.
 """
 
 from __future__ import annotations

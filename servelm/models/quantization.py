@@ -27,31 +27,23 @@ from torch import nn
 from servelm import kernels
 from servelm.models.packed import PackedLinear, can_pack, replace_linears
 
-QUANTIZATIONS = ("none", "int8")
-
 # Rows (tokens) up to which the int8 kernel beats float32 GEMM on a 2-core
 # AVX-512 CPU (bench/quantized.py); past it, the float copy is faster.
 SMALL_BATCH = 4
 
 
-class Int8Linear(nn.Module):
-    """``y = x W^T + b`` with ``W`` stored as int8 rows times per-row scales."""
+class Int8Rows(nn.Module):
+    """A linear layer's weight ``[out, in]`` as int8 rows times bfloat16 per-row scales (symmetric, round to
+    nearest, in [-127, 127]; each scale max |row| / 127, rounded to bfloat16 before the rows are divided by
+    it), and its bias: what :class:`Int8Linear` and ``w8a8.W8A8Linear`` share."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: int = SMALL_BATCH):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         w = weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny).to(torch.bfloat16)
-        qweight = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("qweight", torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.small_batch = small_batch
-        # The dequantized weights, in the model's dtype, for large batches:
-        # only a oneDNN-prepacked copy where bfloat16 packing pays (packed.py).
-        dense = (qweight.float() * scales.float()[:, None]).to(weight.dtype)
-        packable = can_pack(weight.dtype, weight.device)
-        self.dense = PackedLinear(dense, self.bias) if packable else None
-        self.register_buffer("weight", None if packable else dense)
 
     @property
     def in_features(self) -> int:
@@ -62,8 +54,23 @@ class Int8Linear(nn.Module):
         return self.qweight.shape[0]
 
     def one_row_weights(self) -> kernels.LinearWeights:
-        """What servelm's one-token decoder reads of this layer (its int8 kernel, as forward runs for one row)."""
+        """What servelm's one-token decoder reads of this layer (the int8 matrix-vector kernel, as forward runs
+        for one row)."""
         return kernels.LinearWeights(self.qweight, self.scales, self.bias)
+
+
+class Int8Linear(Int8Rows):
+    """``y = x W^T + b`` with ``W`` stored as int8 rows times per-row scales."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: int = SMALL_BATCH):
+        super().__init__(weight, bias)
+        self.small_batch = small_batch
+        # The dequantized weights, in the model's dtype, for large batches:
+        # only a oneDNN-prepacked copy where bfloat16 packing pays (packed.py).
+        dense = (self.qweight.float() * self.scales.float()[:, None]).to(weight.dtype)
+        packable = can_pack(weight.dtype, weight.device)
+        self.dense = PackedLinear(dense, self.bias) if packable else None
+        self.register_buffer("weight", None if packable else dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

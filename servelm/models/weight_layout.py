@@ -4,13 +4,13 @@
 On the CPU, in order:
 
 - ``quantization="int8"``: every linear layer becomes an :class:`Int8Linear`
-  (quantization.py);
+  (quantization.py); ``quantization="w8a8"``: a :class:`W8A8Linear` (w8a8.py);
 - else, where this torch build packs bfloat16 weights for oneDNN, every linear
   layer becomes a :class:`PackedLinear` (packed.py), keeping a second copy of
   its weight for decoding where it fits in memory: in the small-GEMM kernel's
   pair layout where ``cpu_matmul`` says so (``use_pair_layout``), else plain
   for batch 1;
-- then the weights decoding streams every step (pair layout, plain, int8) move
+- then the weights decoding streams every step (pair layout, plain, int8 rows) move
   onto transparent huge pages (``servelm.platform.memory``).
 
 Elsewhere (CUDA, float32 without packing) the model keeps its ``nn.Linear``
@@ -28,6 +28,7 @@ from torch import nn
 
 from servelm.models.packed import PackedLinear, can_pack, replace_linears, use_pair_layout
 from servelm.models.quantization import Int8Linear, quantize_int8
+from servelm.models.w8a8 import W8A8Linear, quantize_w8a8
 from servelm.platform.memory import huge_page_copies
 
 logger = logging.getLogger(__name__)
@@ -44,18 +45,24 @@ def free_memory_bytes(device: torch.device) -> int:
 def lay_out_weights(model: nn.Module, quantization: str, cpu_matmul: str) -> None:
     """Replace ``model``'s linear layers by the layout that runs fastest where it lives, in place.
 
-    ``quantization`` is ``none`` or ``int8`` (CPU only: ValueError elsewhere); ``cpu_matmul`` (``auto``,
-    ``onednn`` or ``pairs``) picks the products of decoding's few rows on CPU (``packed.use_pair_layout``).
+    ``quantization`` is ``none``, ``int8`` or ``w8a8`` (the last two CPU only: ValueError elsewhere);
+    ``cpu_matmul`` (``auto``, ``onednn`` or ``pairs``) picks the products of decoding's few rows on CPU
+    (``packed.use_pair_layout``).
     """
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     if device.type != "cpu":  # every layout below is for CPUs
-        if quantization == "int8":
-            raise ValueError(f"quantization int8 runs on CPU only (its kernel is a CPU one); the device is {device}")
+        if quantization != "none":
+            raise ValueError(
+                f"quantization {quantization} runs on CPU only (its kernels are CPU ones); the device is {device}"
+            )
         return
     if quantization == "int8":
         count = quantize_int8(model, _tied_head(model))
         logger.info("quantized %d linear layers to int8 (weight-only)", count)
+    elif quantization == "w8a8":
+        count = quantize_w8a8(model, _tied_head(model))
+        logger.info("quantized %d linear layers to int8 weights and activations (w8a8)", count)
     elif can_pack(dtype, device):
         _pack(model, device, cpu_matmul)
     _stream_from_huge_pages(model, device)
@@ -94,7 +101,7 @@ def _stream_from_huge_pages(model: nn.Module, device: torch.device) -> None:
         for attr in ("plain_weight", "pair_weight")
         if getattr(m, attr, None) is not None
     ]
-    owners += [(m, "qweight") for m in model.modules() if isinstance(m, Int8Linear)]
+    owners += [(m, "qweight") for m in model.modules() if isinstance(m, (Int8Linear, W8A8Linear))]
     nbytes = sum(getattr(m, a).nbytes for m, a in owners)
     if not owners or nbytes > free_memory_bytes(device) // 2:  # the old copies go only once all are made
         return

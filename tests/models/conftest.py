@@ -19,6 +19,7 @@ from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM, build_empty_model
 from servelm.models.packed import PackedLinear, can_pack, replace_linears
 from servelm.models.quantization import quantize_int8
+from servelm.models.w8a8 import quantize_w8a8
 
 
 @pytest.fixture(scope="session")
@@ -99,7 +100,8 @@ class PagedRunner:
 
 def tiny_llama_model(weights: str, **overrides) -> tuple[LlamaForCausalLM, ModelConfig]:
     """A random bfloat16 Llama of 3 small layers whose linears are packed with plain weights kept ("bf16"),
-    with the small-GEMM pair layout where it runs ("pairs"), or int8 ("int8"); ``overrides`` set config fields."""
+    with the small-GEMM pair layout where it runs ("pairs"), int8 ("int8") or int8 weights and activations
+    ("w8a8"); ``overrides`` set config fields."""
     fields = dict(
         architecture="LlamaForCausalLM",
         vocab_size=120,
@@ -120,6 +122,8 @@ def tiny_llama_model(weights: str, **overrides) -> tuple[LlamaForCausalLM, Model
     head = model.model.embed_tokens.weight if model.lm_head is None else None
     if weights == "int8":
         quantize_int8(model, head)
+    elif weights == "w8a8":
+        quantize_w8a8(model, head)
     else:
         if not can_pack(torch.bfloat16, torch.device("cpu")):
             pytest.skip("this torch build has no oneDNN bfloat16 packing")

@@ -29,7 +29,7 @@ def decode(model, config, paged_runner, prompt, steps, one_call: bool):
     return torch.cat(logits), runner.kv_caches
 
 
-@pytest.mark.parametrize("weights", ["bf16", "pairs", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "pairs", "int8", "w8a8"])  # w8a8: one row is int8's GEMV
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"attention_bias": True, "attention_out_bias": True}, {"tie_word_embeddings": True}],

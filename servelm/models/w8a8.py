@@ -1,0 +1,95 @@
+"""int8 compute for a loaded model (``--quantization w8a8``): int8 weights times int8 activations.
+
+Every linear layer of the decoder gets int8 weights with one scale per
+output row, as ``--quantization int8`` makes them
+(``quantization.Int8Rows``); the LM head is int8 weight-only, as with
+``int8`` (``quantize_w8a8`` says why). Where ``int8`` multiplies several rows in
+bfloat16 over a dequantized copy, ``w8a8`` quantizes each row of the
+activations on the fly (symmetric, one scale per token: max |x| / 127) and
+multiplies int8 by int8 with int32 sums, scaled back once per output. On CPUs
+with AVX512-VNNI that runs servelm's W8A8 GEMM (``servelm.kernels``, over the
+weights packed once at load), about twice the multiply rate of bfloat16: it
+is for prefill and batched decoding, which are bound by compute. Elsewhere
+(no compiler, no VNNI) ``torch._int_mm`` runs the same arithmetic, more slowly,
+after one warning.
+
+One row (one sequence decoding) is bound by reading the weights, not by
+multiplying: it keeps the weight-only int8 matrix-vector kernel over the plain
+int8 rows (bfloat16 activations, no activation rounding), which is also what
+servelm's one-call decoding step reads (``one_row_weights``). The plain rows
+and the packed ones are both int8: the two copies together weigh what one
+bfloat16 copy does. CPU only.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+
+from servelm import kernels
+from servelm.models.packed import replace_linears
+from servelm.models.quantization import Int8Linear, Int8Rows
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _warn_portable(reason: str) -> None:
+    logger.warning("w8a8: servelm's int8 GEMM does not run here (%s): torch._int_mm runs instead, slower", reason)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` ``[M, K]`` as int8 (round to nearest, in [-127, 127]) and float32 scales ``[M, 1]``
+    (max |row| / 127), as the kernel quantizes them."""
+    xf = x.float()
+    top = xf.abs().amax(dim=1, keepdim=True)
+    # 127 / max as the kernel computes it, bit for bit (PyTorch's 127.0 / top is 127 * (1 / top), an ulp off)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    return torch.round(xf * inverse).clamp(-127, 127).to(torch.int8), top / 127.0
+
+
+class W8A8Linear(Int8Rows):
+    """``y = x W^T + b`` with ``W`` int8 rows times per-row scales and ``x`` quantized per row to int8; the plain
+    int8 rows serve one-row products and the portable path, the packed ones the kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight, bias)
+        self.register_buffer("weight_scales", self.scales.float())
+        native = kernels.cpu_kernels() if weight.device.type == "cpu" else None
+        self.packed = native.w8a8_pack(self.qweight) if native is not None else None
+        if self.packed is None:
+            _warn_portable("no AVX512-VNNI" if native is not None else "servelm's CPU kernels are unavailable")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        bias = None if self.bias is None else self.bias.to(flat.dtype)
+        native = kernels.for_tensors(flat)
+        if flat.shape[0] == 1 and flat.dtype == torch.bfloat16 and native is not None:
+            out = native.int8_linear(flat, self.qweight, self.scales)
+            out = out if bias is None else out + bias
+        elif self.packed is not None and native is not None:
+            out = native.w8a8_linear(flat, self.packed, self.weight_scales, self.out_features, bias)
+        else:
+            q, row_scales = quantize_activations(flat)
+            sums = torch._int_mm(q, self.qweight.t())
+            out = sums.float() * row_scales * self.weight_scales
+            out = (out if bias is None else out + bias.float()).to(flat.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_w8a8(model: nn.Module, head_weight: torch.Tensor | None) -> int:
+    """Replace every ``nn.Linear`` of a causal LM's decoder (``model.model``) by a :class:`W8A8Linear`, and
+    its LM head (``model.lm_head``, or ``head_weight`` where the head is tied to the embedding) by a
+    weight-only :class:`Int8Linear`, in place. Returns the number of layers quantized.
+
+    The head stays weight-only: rounding the final hidden state to int8 moved perplexity markedly more than
+    the rest of the model's rounding did (bench/quant_quality.py, docs/BENCHMARKS.md), and the head runs on
+    one row per sequence only.
+    """
+    head = model.lm_head
+    weight, bias = (head_weight, None) if head is None else (head.weight, head.bias)
+    model.lm_head = Int8Linear(weight, bias)
+    return replace_linears(model.model, W8A8Linear, None) + 1
