@@ -146,7 +146,7 @@ def weight_format(server: str) -> str:
     ``servelm`` alone runs ``--dtype auto``: bfloat16 on CPUs with fast
     bfloat16 matmuls, which is what it is counted as.
     """
-    for suffix in ("q8_0", "int8", "fp32"):
+    for suffix in ("q8_0", "int8", "w8a8", "fp32"):
         if server.endswith(suffix):
             return suffix
     return "f16" if server.startswith("llama-server") else "bf16"

@@ -28,8 +28,8 @@ from typing import Any
 
 # Bytes per weight of the formats the compared servers use. Q8_0 is llama.cpp's
 # blocks of 32 int8 weights with a float16 scale; servelm's int8 has one scale
-# per output row (negligible).
-WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0, "q8_0": 34 / 32}
+# per output row (negligible), as w8a8 has.
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "f16": 2.0, "int8": 1.0, "w8a8": 1.0, "q8_0": 34 / 32}
 KV_BYTES = 2  # bfloat16 or float16 K/V cache
 
 
