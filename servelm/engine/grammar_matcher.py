@@ -5,7 +5,7 @@ grammar. The engine advances it with every token the sequence accepts
 (never again on a recompute after preemption: the matcher's state is the
 output's, not the KV cache's). Each step the sampler asks
 :func:`mask_logits` to fill one bitmask row per constrained sequence and
-apply them to the batch's logits at once, with xgrammar's kernel. Rows
+apply them to the batch's logits at once, with tensor ops. Rows
 without a grammar are neither filled nor masked; the one cost they share is
 a copy of the batch's logits (the raw ones stay for logprobs), and a batch
 without any constrained row skips even that.
@@ -73,11 +73,17 @@ def mask_logits(logits: torch.Tensor, masks: Sequence[TokenBitmaskFiller | None]
     rows = [i for i, m in enumerate(masks) if m is not None]
     if not rows:
         return logits
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    for i in rows:
-        masks[i].fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+    vocab = logits.shape[1]
+    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
+    for k, i in enumerate(rows):
+        masks[i].fill_bitmask(bitmask, k)  # type: ignore[union-attr]
+    # Unpacked with tensor ops (bit b of word w is token 32 w + b) rather than xgrammar's CPU kernel,
+    # which walks the bits one by one and costs several times more when most of the vocabulary is masked.
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(len(rows), -1)[:, :vocab].to(logits.device)
+    if len(rows) == logits.shape[0]:  # every row constrained: one pass, no copy to patch
+        return torch.where(allowed, logits, float("-inf"))
+    index = torch.tensor(rows, device=logits.device)
     masked = logits.clone()
-    xgr.apply_token_bitmask_inplace(
-        masked, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[1], indices=rows
-    )
+    masked[index] = torch.where(allowed, logits[index], float("-inf"))
     return masked
