@@ -337,24 +337,20 @@ def test_the_serve_app_follows_the_settings():
     )
 
 
+def _serve_joining(address: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``servelm serve --ray-address address`` run to its exit, without this process's SERVELM_* settings."""
+    cmd = [sys.executable, "-m", "servelm", "serve", "--embedding-model", "none", "--port", "0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
+    return subprocess.run(
+        [*cmd, "--ray-address", address], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
 def test_an_unreachable_ray_address_exits_2_at_once():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # nothing listens once closed
-    cmd = [
-        sys.executable,
-        "-m",
-        "servelm",
-        "serve",
-        "--embedding-model",
-        "none",
-        "--port",
-        "0",
-        "--ray-address",
-        f"127.0.0.1:{port}",
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)
+    result = _serve_joining(f"127.0.0.1:{port}", timeout=60)
     assert result.returncode == 2, result.stderr
     assert f"cannot reach the Ray cluster at 127.0.0.1:{port}" in result.stderr
 
@@ -366,19 +362,6 @@ def test_an_address_where_no_ray_cluster_answers_exits_2():
         sock.bind(("127.0.0.1", 0))
         sock.listen(16)  # the kernel completes connections; nobody ever answers them
         port = sock.getsockname()[1]
-        cmd = [
-            sys.executable,
-            "-m",
-            "servelm",
-            "serve",
-            "--embedding-model",
-            "none",
-            "--port",
-            "0",
-            "--ray-address",
-            f"127.0.0.1:{port}",
-        ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+        result = _serve_joining(f"127.0.0.1:{port}", timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"could not join the Ray cluster at 127.0.0.1:{port}" in result.stderr
