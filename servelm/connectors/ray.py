@@ -4,9 +4,11 @@ The API layer talks to it exactly as to the local connector and never
 imports Ray; this module imports Ray only when it is used (``servelm serve``
 without ``--replicas``/``--ray-address`` never loads it).
 
-- ``generate`` streams from a replica chosen by servelm's request router
-  (``ray_router.py``) in chunks (``ray_replica.py``), and resumes the
-  request on another replica when its replica dies (``ray_resume.py``).
+- ``generate`` runs the request on a replica chosen by servelm's request
+  router (``ray_router.py``), reads its outputs from that replica's channel
+  to this front end, one item per engine step (``ray_channel.py``), and
+  resumes the request on another replica when its replica dies
+  (``ray_resume.py``).
 - ``queue_depth``, ``engine_stats``, ``replicas`` and ``health`` read the
   deployment's figures that ``ray_stats.py`` keeps current; they never wait
   on Ray.
@@ -16,12 +18,14 @@ without ``--replicas``/``--ray-address`` never loads it).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from servelm.connectors.base import ConnectorError, ModelCard, QueueDepth, ReplicaStatus
+from servelm.connectors.ray_channel import Channels
 from servelm.connectors.ray_replica import raise_error_item
 from servelm.connectors.ray_resume import MAX_MIGRATIONS, resumable_stream
 from servelm.connectors.ray_stats import StatsPoller
@@ -74,6 +78,7 @@ class RayConnector:
         self._deployed = False
         self._cluster: Any = None
         self._streams: dict[str, Any] = {}  # request id -> its current replica stream
+        self._channels = Channels(self._open_channel)
 
     # -- lifecycle -----------------------------------------------------
 
@@ -130,6 +135,7 @@ class RayConnector:
 
         if self._poller is not None:
             self._poller.cancel()
+        self._channels.cancel()
         if self._deployed and not (self._cluster is not None and self._cluster.started_here):
             from servelm.connectors import ray_deploy
 
@@ -187,12 +193,7 @@ class RayConnector:
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.handle is None:
-            raise ConnectorError(
-                "The replicas are not deployed yet.",
-                status=503,
-                type="service_unavailable_error",
-                code="model_not_ready",
-            )
+            raise self._not_deployed()
         last: BaseException | None = None
         for _ in range(CALL_ATTEMPTS):
             try:
@@ -270,28 +271,55 @@ class RayConnector:
         finally:
             await stream.aclose()  # type: ignore[attr-defined]  # an async generator
 
-    async def _open(self, request_id: str, request: dict[str, Any]) -> AsyncIterator[Any]:
+    def _not_deployed(self) -> ConnectorError:
+        return ConnectorError(
+            "The replicas are not deployed yet.",
+            status=503,
+            type="service_unavailable_error",
+            code="model_not_ready",
+        )
+
+    def _open_channel(self, target: dict[str, Any]) -> Any:
         if self.handle is None:
-            raise ConnectorError(
-                "The replicas are not deployed yet.",
-                status=503,
-                type="service_unavailable_error",
-                code="model_not_ready",
-            )
-        response = self.handle.options(stream=True).generate.remote(request)
+            raise self._not_deployed()
+        return self.handle.options(stream=True).channel.remote(target)
+
+    async def _open(self, request_id: str, request: dict[str, Any]) -> AsyncIterator[Any]:
+        """One attempt of a request: its outputs (as one-output lists) and error items, from its replica's channel."""
+        if self.handle is None:
+            raise self._not_deployed()
+        attempt = request["request_id"]
+        mailbox = self._channels.mailbox(attempt)
+        response = self.handle.options(stream=True).generate.remote({**request, "channel": self._channels.id})
         self._streams[request_id] = response
-        finished = False
+        watcher = asyncio.create_task(self._watch(attempt, response, mailbox))
+        ended = False
         try:
-            async for item in response:
-                yield item
-            finished = True
+            while True:
+                item = await mailbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                ended = isinstance(item, dict) or item.finished
+                yield item if isinstance(item, dict) else [item]
+                if ended:
+                    return
         finally:
+            watcher.cancel()
+            self._channels.close(attempt)
             if self._streams.get(request_id) is response:
                 del self._streams[request_id]
-            if not finished:
-                # The client left (or the request failed): the replica's
+            if not ended:
+                # The client left (or the replica failed): the replica's
                 # generator is cancelled, and its engine aborts the request.
                 response.cancel()
+
+    async def _watch(self, attempt: str, response: Any, mailbox: asyncio.Queue) -> None:
+        """Follow a request's own stream: where it runs, and whether its replica dies."""
+        try:
+            async for item in response:
+                self._channels.placed(attempt, item["replica"])
+        except Exception as exc:
+            mailbox.put_nowait(exc)
 
     async def abort(self, model: str, request_id: str) -> None:
         response = self._streams.pop(request_id, None)

@@ -5,6 +5,12 @@ deployment. Each replica wraps a :class:`LocalConnector` (the same engine the
 in-process server runs) and answers the calls :class:`RayConnector` makes
 through a ``DeploymentHandle``.
 
+Outputs do not travel in each request's own Serve stream: a Ray object costs
+about half a millisecond of CPU, and one per request per engine step is a
+large share of a step. Each front end opens one :meth:`EngineReplica.channel`
+per replica, and every engine step's outputs of all its requests there go
+back as one object (``ray_channel.py`` is the front end's side).
+
 Errors the client caused cross the process boundary as data (an ``"error"``
 item holding the :class:`ConnectorError` fields), not as exceptions: Ray
 wraps exceptions in ``RayTaskError`` and a custom constructor does not
@@ -15,7 +21,6 @@ the front end may retry on another replica.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -27,17 +32,18 @@ from typing import Any
 from servelm.connectors.base import ConnectorError
 from servelm.connectors.local import LocalConnector
 from servelm.engine.config import EngineConfig
-from servelm.engine.outputs import RequestOutput
 from servelm.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # How often a replica pushes its figures to the stats board (ray_stats.py).
 STATS_PERIOD_S = 0.25
-# After a request's first output, what its engine delivers within this long of
-# the last item sent is held and sent as one item: a Ray object costs about half
-# a millisecond of CPU, and a fast engine step delivers one token.
-FLUSH_INTERVAL_S = 0.02
+# An outbox no channel has read for this long belongs to a front end that is gone.
+STALE_OUTBOX_S = 60.0
+# A channel with no request of its front end on the replica for this long ends.
+CHANNEL_IDLE_S = 10.0
+# Loop turns a channel waits, at most, for the rest of an engine step's outputs.
+SETTLE_TURNS = 8
 
 
 def error_item(exc: ConnectorError) -> dict[str, Any]:
@@ -71,7 +77,8 @@ class EngineReplica:
         self.replica_id = _replica_id()
         self.node_id, self.node_ip = _node()
         self.pid = os.getpid()
-        self.flush_interval_s = FLUSH_INTERVAL_S
+        self._outboxes: dict[str, Outbox] = {}  # front end channel id -> what it has still to send
+        self.channel_idle_s = CHANNEL_IDLE_S
         threads = spec.get("threads")
         if threads:
             # The cores Ray reserved for this replica, not every core of the
@@ -107,64 +114,82 @@ class EngineReplica:
 
     # -- generation ----------------------------------------------------
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[list[RequestOutput] | dict[str, Any]]:
-        """Stream one request in chunks: each item is a list of the engine's outputs.
+    async def channel(self, target: dict[str, Any]) -> AsyncIterator[list[tuple[str, Any]] | dict[str, Any]]:
+        """One front end's channel from this replica: its requests' outputs, one item per engine step.
 
-        The first output goes at once (it is the time to first token). After
-        it, what the engine delivers within ``flush_interval_s`` of the last
-        item sent is held and sent together: at most one Ray object per
-        request per interval however short the engine's steps, and no token
-        waits longer than the interval. The request's end or an error goes at
-        once, with whatever was held. Items carry the prompt's token ids only
-        in the first output. Cancelling the stream (the client left) aborts
+        ``target`` is ``{"channel": front end's id, "pin": this replica's id}``
+        (the router sends the call to the pinned replica). The first item is
+        ``{"replica": id}`` (the channel is open); then each item is a list of
+        ``(request_id, output or error item)`` pairs: what the front end's
+        requests here delivered since the last item, which is one engine
+        step's outputs for all of them. One Ray object per step however many
+        requests run, not one per request per step. A channel with no
+        request of its front end here for ``channel_idle_s`` ends, so that
+        one whose front end is gone stops counting as an ongoing request
+        (Serve's autoscaling and graceful shutdown wait on those).
+        """
+        box = self._outbox(target["channel"])
+        box.subscribed = True
+        try:
+            yield {"replica": self.replica_id}
+            while True:
+                try:
+                    async with asyncio.timeout(self.channel_idle_s):
+                        await box.ready.wait()
+                except TimeoutError:
+                    if box.users == 0:
+                        return  # the front end reopens it with its next request here
+                    continue
+                await _settle(box)
+                yield box.take()
+        finally:
+            box.subscribed = False
+            if self._outboxes.get(target["channel"]) is box:
+                del self._outboxes[target["channel"]]
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Run one request; its outputs go out on its front end's :meth:`channel`.
+
+        This stream carries only ``{"replica": id}``, so the front end knows
+        which channel to read, and ends when the request does: it is how
+        Serve routes, counts and cancels the request, and how the front end
+        sees this replica die. The prompt's token ids travel only in the
+        first output; a request's error travels as an :func:`error_item`
+        after its outputs. Cancelling the stream (the client left) aborts
         the request here.
         """
+        box = self._outbox(request["channel"])
+        box.users += 1
+        rid = request["request_id"]
         params: SamplingParams = request["params"]
-        stream = self.connector.generate(request["model"], request["request_id"], request["prompt"], params)
-        queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
-
-        async def pump() -> None:
-            try:
-                async for out in stream:
-                    queue.put_nowait(out)
-                queue.put_nowait(None)
-            except BaseException as exc:
-                queue.put_nowait(exc)
-
-        task = asyncio.create_task(pump())
-        loop = asyncio.get_running_loop()
-        sent_at: float | None = None  # loop time of the last item sent
+        stream = self.connector.generate(request["model"], rid, request["prompt"], params)
         try:
-            while True:
-                items = [await queue.get()]
-                if sent_at is not None:
-                    await _gather_until(queue, items, sent_at + self.flush_interval_s)
-                while not queue.empty():
-                    items.append(queue.get_nowait())
-                chunk: list[RequestOutput] = []
-                for it in items:
-                    if it is None:
-                        break
-                    if isinstance(it, ConnectorError):
-                        if chunk:
-                            yield chunk
-                        yield error_item(it)
-                        return
-                    if isinstance(it, BaseException):
-                        raise it
-                    if sent_at is not None or chunk:
-                        it.prompt_token_ids = []
-                    chunk.append(it)
-                if chunk:
-                    yield chunk
-                    sent_at = loop.time()
-                if any(it is None for it in items):
-                    return
+            yield {"replica": self.replica_id}
+            first = True
+            async for out in stream:
+                if not first:
+                    out.prompt_token_ids = []
+                first = False
+                box.put(rid, out)
+        except ConnectorError as exc:
+            box.put(rid, error_item(exc))
         finally:
-            task.cancel()
-            with contextlib.suppress(BaseException):  # cancelled on purpose
-                await task
+            box.users -= 1
             await stream.aclose()  # type: ignore[attr-defined]  # an async generator
+
+    def _outbox(self, channel: str) -> Outbox:
+        """The outbox of a front end's channel; boxes nobody read for ``STALE_OUTBOX_S`` are dropped."""
+        box = self._outboxes.get(channel)
+        if box is None:
+            now = time.monotonic()
+            for key in [
+                k
+                for k, b in self._outboxes.items()
+                if not (b.subscribed or b.users) and now - b.touched > STALE_OUTBOX_S
+            ]:
+                del self._outboxes[key]  # a front end that went away before it opened its channel
+            box = self._outboxes[channel] = Outbox()
+        return box
 
     # -- everything else -----------------------------------------------
 
@@ -243,17 +268,34 @@ def _sync(coro):
     raise RuntimeError("expected a coroutine that does not suspend")
 
 
-def _ends_stream(item: RequestOutput | BaseException | None) -> bool:
-    return item is None or isinstance(item, BaseException) or item.finished
+class Outbox:
+    """What one front end's channel has still to send from this replica."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, Any]] = []
+        self.ready = asyncio.Event()
+        self.subscribed = False
+        self.users = 0  # requests of the front end running here
+        self.touched = time.monotonic()
+
+    def put(self, request_id: str, item: Any) -> None:
+        self.items.append((request_id, item))
+        self.ready.set()
+
+    def take(self) -> list[tuple[str, Any]]:
+        items, self.items = self.items, []
+        self.ready.clear()
+        self.touched = time.monotonic()
+        return items
 
 
-async def _gather_until(queue: asyncio.Queue, items: list, deadline: float) -> None:
-    """Append what arrives on ``queue`` to ``items`` until ``deadline`` (loop time) or the stream's end."""
-    while not _ends_stream(items[-1]):
-        try:
-            async with asyncio.timeout_at(deadline):
-                items.append(await queue.get())
-        except TimeoutError:
+async def _settle(box: Outbox) -> None:
+    """Let the rest of an engine step's outputs into ``box``: the engine thread hands each request's
+    output to the loop separately, so they may take a few turns of the loop to arrive."""
+    for _ in range(SETTLE_TURNS):
+        count = len(box.items)
+        await asyncio.sleep(0)
+        if len(box.items) == count:
             return
 
 

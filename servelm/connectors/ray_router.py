@@ -7,6 +7,8 @@ API, ``RequestRouterConfig(request_router_class=...)``).
   sends the request to the one with fewer ongoing requests. A replica's
   ongoing requests are its open streams, that is the requests running or
   waiting in its engine, so this balances on running + waiting.
+- Channels: a front end's channel call (``EngineReplica.channel``) names
+  the replica it must reach, and goes there.
 - Prefix affinity: the prompt's token ids are cut into blocks of the
   engine's block size and hashed cumulatively (block ``i``'s key covers
   blocks ``0..i``, as the engine's prefix cache does). The router remembers
@@ -96,6 +98,14 @@ class PrefixTable:
         self.blocks.pop(replica, None)
 
 
+def pinned_replica(pending_request: PendingRequest | None) -> str | None:
+    """The replica an ``EngineReplica.channel`` call must reach (its ``pin``), if that is what is routed."""
+    if pending_request is None or not pending_request.args:
+        return None
+    target = pending_request.args[0]
+    return target.get("pin") if isinstance(target, dict) else None
+
+
 def routed_request(pending_request: PendingRequest | None) -> dict[str, Any] | None:
     """The request dict of an ``EngineReplica.generate`` call, if that is what is routed."""
     if pending_request is None or not pending_request.args:
@@ -135,6 +145,11 @@ class PrefixAwareRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        pin = pinned_replica(pending_request)
+        if pin is not None:
+            # A front end's channel from one replica: that replica or, while
+            # it is not (yet, or any longer) a candidate, none.
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
         two = self._two_choices(candidate_replicas)
         request = routed_request(pending_request)
         if request is None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -23,11 +22,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from servelm.api import create_app
-from servelm.connectors.base import ModelCard
+from servelm.connectors.base import ConnectorError, ModelCard
 from servelm.connectors.ray import RayConnector
 from servelm.engine.outputs import CompletionOutput, RequestOutput
 from servelm.settings import Settings
 from tests.api.test_error_table import documented_rows
+from tests.connectors.serve_fakes import Handle, StandInEngine, replica
 
 MODEL = "fake-chat"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -61,69 +61,44 @@ def snapshot(
     }
 
 
-# What a replica whose engine loop died sends (LocalConnector's engine_dead error, as data).
-ENGINE_DEAD = {
-    "error": {
-        "message": "The engine is down.",
-        "status": 503,
-        "type": "service_unavailable_error",
-        "code": "engine_dead",
-        "param": None,
-    }
-}
-
-
-class FakeStream:
-    """What ``handle.options(stream=True).generate.remote`` returns: replica items, then the end.
-
-    A dying replica sends one token, then dies (its engine's ``engine_dead``).
-    """
-
-    def __init__(self, request: dict[str, Any], dying: bool):
-        self.request = request
-        self.dying = dying
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self._items()
-
-    async def _items(self) -> AsyncIterator[Any]:
-        rid = self.request["request_id"]
-        if self.dying:
-            out = CompletionOutput(index=0, text="a", token_ids=[7])
-            yield [RequestOutput(rid, None, [1, 2, 3], [out], delta=True, num_generated_tokens=1)]
-            yield ENGINE_DEAD
-            return
-        out = CompletionOutput(index=0, text="ok", token_ids=[7, 8], finish_reason="length")
-        yield [RequestOutput(rid, None, [1, 2, 3], [out], finished=True, delta=True, num_generated_tokens=2)]
-
-    def cancel(self) -> None:
-        pass
-
-
-class FakeHandle:
-    """A ``DeploymentHandle`` stand-in: ``call`` answers one replica's methods, ``generate`` streams."""
+class ShortReplyEngine(StandInEngine):
+    """Each replica's engine: a two-token reply, or, ``dying``, one token and then its loop's death."""
 
     def __init__(self) -> None:
-        self.generated: list[dict[str, Any]] = []
-        self.dying = False  # every replica dies one token into each stream
-        self.call = SimpleNamespace(remote=self._call)
-        self.generate = SimpleNamespace(remote=self._generate)
+        self.dying = False
 
-    async def _call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def generate(self, model: str, request_id: str, prompt, params) -> AsyncIterator[RequestOutput]:
+        if self.dying:
+            out = CompletionOutput(index=0, text="a", token_ids=[7])
+            yield RequestOutput(request_id, None, list(prompt), [out], delta=True, num_generated_tokens=1)
+            # LocalConnector's error when the engine loop died.
+            raise ConnectorError(
+                "The engine is down.", status=503, type="service_unavailable_error", code="engine_dead"
+            )
+        out = CompletionOutput(index=0, text="ok", token_ids=[7, 8], finish_reason="length")
+        yield RequestOutput(request_id, None, list(prompt), [out], finished=True, delta=True, num_generated_tokens=2)
+
+
+class FakeHandle(Handle):
+    """Two in-memory replicas; ``dying = True`` makes every replica die one token into each stream."""
+
+    def __init__(self) -> None:
+        self.engine = ShortReplyEngine()
         answers = {
             "models": [ModelCard(MODEL, "generate", 256)],
             "apply_chat_template": "<user>hi</user>",
             "tokenize": [1, 2, 3],
             "detokenize": "x",
         }
-        return {"ok": answers[method]}
+        super().__init__([replica(self.engine, "a"), replica(self.engine, "b")], answers)
 
-    def options(self, **_: Any) -> FakeHandle:
-        return self
+    @property
+    def dying(self) -> bool:
+        return self.engine.dying
 
-    def _generate(self, request: dict[str, Any]) -> FakeStream:
-        self.generated.append(request)
-        return FakeStream(request, self.dying)
+    @dying.setter
+    def dying(self, value: bool) -> None:
+        self.engine.dying = value
 
 
 @pytest.fixture
@@ -139,6 +114,7 @@ async def deployment():
     yield connector, board, handle
     if connector._poller is not None:  # the background reader of the board
         await connector._poller.stop()
+    connector.shutdown()
 
 
 def client(connector: RayConnector, **settings: Any) -> httpx.AsyncClient:

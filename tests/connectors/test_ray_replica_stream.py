@@ -1,30 +1,33 @@
-"""A replica's stream to the front end, without Ray: chunks, not one object per output.
+"""Outputs from replica to front end, without Ray: one channel item per engine step, not one per request.
 
-``EngineReplica.generate`` is what Serve streams back to the front end. Its
-engine is replaced by a scripted stream the test feeds, so what is checked
-is only the chunking: the first output is sent as soon as it is ready, later
-outputs within the flush interval of the last item go together as one item
-(the request's end flushes at once), the prompt's token ids travel once, a request's error travels as data, and
-closing the stream (the client left) closes the engine's stream (which
-aborts the request).
+A request runs as ``EngineReplica.generate``, whose own stream says only
+where it runs; its outputs go out on the front end's one channel from that
+replica (``EngineReplica.channel``), which carries all of that front end's
+requests' outputs of an engine step as one item. The engines here are
+scripted and Serve's transport is in memory (``serve_fakes.py``); the
+replica and front-end code is the code that runs on Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 from collections.abc import AsyncIterator
 
-from servelm.connectors.base import ConnectorError
-from servelm.connectors.ray_replica import FLUSH_INTERVAL_S, EngineReplica
+from ray.exceptions import RayActorError
+
+from servelm.connectors.base import ConnectorError, ModelCard
+from servelm.connectors.ray import RayConnector
 from servelm.engine.outputs import CompletionOutput, RequestOutput
 from servelm.engine.sampling_params import SamplingParams
+from tests.connectors.serve_fakes import Handle, ServeStream, StandInEngine, replica
 
 PROMPT = [1, 2, 3]
 
 
-def output(i: int, finished: bool = False) -> RequestOutput:
+def output(rid: str, i: int, finished: bool = False) -> RequestOutput:
     return RequestOutput(
-        "r",
+        rid,
         None,
         list(PROMPT),
         [CompletionOutput(index=0, text=f"t{i}", token_ids=[i], finish_reason="length" if finished else None)],
@@ -34,111 +37,171 @@ def output(i: int, finished: bool = False) -> RequestOutput:
     )
 
 
-class ScriptedEngine:
-    """The replica's connector: ``generate`` streams what the test puts in ``source`` (None ends it)."""
+class ScriptedEngine(StandInEngine):
+    """The replica's connector: request ``rid`` streams what the test puts in ``sources[rid]`` (None ends it)."""
 
     def __init__(self) -> None:
-        self.source: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
-        self.closed = asyncio.Event()
+        self.sources: defaultdict[str, asyncio.Queue] = defaultdict(asyncio.Queue)
+        self.closed: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
     async def generate(self, model: str, request_id: str, prompt, params) -> AsyncIterator[RequestOutput]:
         try:
-            while (item := await self.source.get()) is not None:
+            while (item := await self.sources[request_id].get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
-            self.closed.set()
-
-    def shutdown(self) -> None:
-        """Called when the replica is collected; nothing to stop here."""
+            self.closed[request_id].set()
 
 
-def replica_with(engine: ScriptedEngine, flush_interval_s: float = FLUSH_INTERVAL_S) -> EngineReplica:
-    replica = EngineReplica.__new__(EngineReplica)  # no model load: only the streaming is under test
-    replica.connector = engine  # type: ignore[assignment]
-    replica.flush_interval_s = flush_interval_s
-    return replica
+def request(rid: str) -> dict:
+    return {"model": "m", "request_id": rid, "prompt": PROMPT, "params": SamplingParams(max_tokens=5), "channel": "f"}
 
 
-def request() -> dict:
-    return {"model": "m", "request_id": "r", "prompt": PROMPT, "params": SamplingParams(max_tokens=5)}
-
-
-def ids(item: list[RequestOutput]) -> list[int]:
-    return [t for out in item for t in out.outputs[0].token_ids]
-
-
-async def test_outputs_that_pile_up_go_as_one_item_and_the_prompt_travels_once():
-    engine = ScriptedEngine()
-    stream = replica_with(engine).generate(request())
-    engine.source.put_nowait(output(1))
-    first = await anext(stream)
-    assert ids(first) == [1] and first[0].prompt_token_ids == PROMPT  # sent at once, not held back
-
-    # Three engine steps while the front end was busy with the first item: one item.
-    for i in (2, 3, 4):
-        engine.source.put_nowait(output(i))
-    second = await anext(stream)
-    assert ids(second) == [2, 3, 4]
-    assert all(out.prompt_token_ids == [] for out in second)
-
-    engine.source.put_nowait(output(5, finished=True))
-    engine.source.put_nowait(None)
-    assert [ids(item) async for item in stream] == [[5]]
-    assert engine.closed.is_set()
-
-
-async def test_outputs_within_the_interval_are_held_and_the_end_flushes_them():
-    engine = ScriptedEngine()
-    stream = replica_with(engine, flush_interval_s=3600.0).generate(request())
-    engine.source.put_nowait(output(1))
-    assert ids(await anext(stream)) == [1]  # the first output is never held
-    pending = asyncio.ensure_future(anext(stream))
-    engine.source.put_nowait(output(2))
-    engine.source.put_nowait(output(3))
-    for _ in range(20):  # let the replica take both outputs in
+async def settle() -> None:
+    for _ in range(50):
         await asyncio.sleep(0)
-    assert not pending.done()  # held: the interval since the last item has not passed
-    engine.source.put_nowait(output(4, finished=True))
-    assert ids(await pending) == [2, 3, 4]  # the request's end sends everything held at once
-    engine.source.put_nowait(None)
-    assert [item async for item in stream] == []
 
 
-async def test_a_held_output_goes_when_the_interval_passes_without_more():
+async def test_one_engine_steps_outputs_of_several_requests_travel_as_one_channel_item():
     engine = ScriptedEngine()
-    stream = replica_with(engine, flush_interval_s=0.01).generate(request())
-    engine.source.put_nowait(output(1))
+    r = replica(engine)
+    channel = ServeStream(r.channel({"channel": "f", "pin": "a"}))
+    assert await anext(channel) == {"replica": "a"}
+    first, second = ServeStream(r.generate(request("r1"))), ServeStream(r.generate(request("r2")))
+    assert await anext(first) == await anext(second) == {"replica": "a"}  # where each runs: nothing else
+
+    # One engine step: both requests' outputs in the same turn of the loop.
+    engine.sources["r1"].put_nowait(output("r1", 1))
+    engine.sources["r2"].put_nowait(output("r2", 1))
+    item = await anext(channel)
+    assert [(rid, out.outputs[0].token_ids) for rid, out in item] == [("r1", [1]), ("r2", [1])]
+    assert all(out.prompt_token_ids == PROMPT for _, out in item)
+
+    engine.sources["r1"].put_nowait(output("r1", 2, finished=True))
+    engine.sources["r2"].put_nowait(output("r2", 2, finished=True))
+    item = await anext(channel)
+    assert [(rid, out.outputs[0].token_ids, out.finished) for rid, out in item] == [
+        ("r1", [2], True),
+        ("r2", [2], True),
+    ]
+    assert all(out.prompt_token_ids == [] for _, out in item)  # the prompt travels once
+    for rid, stream in (("r1", first), ("r2", second)):
+        engine.sources[rid].put_nowait(None)
+        assert [x async for x in stream] == []  # each request's own stream ends with it
+    channel.cancel()
+
+
+async def test_outputs_made_before_the_channel_opens_wait_for_it():
+    engine = ScriptedEngine()
+    r = replica(engine)
+    stream = ServeStream(r.generate(request("r1")))
     await anext(stream)
-    engine.source.put_nowait(output(2))
-    assert ids(await anext(stream)) == [2]  # nothing else came: the interval's end sends it alone
-    await stream.aclose()
+    engine.sources["r1"].put_nowait(output("r1", 1))
+    engine.sources["r1"].put_nowait(output("r1", 2, finished=True))
+    engine.sources["r1"].put_nowait(None)
+    assert [x async for x in stream] == []  # the request is over before its front end reads the channel
+    channel = ServeStream(r.channel({"channel": "f", "pin": "a"}))
+    assert await anext(channel) == {"replica": "a"}
+    assert [out.outputs[0].token_ids for _, out in await anext(channel)] == [[1], [2]]
+    channel.cancel()
 
 
-async def test_a_request_error_is_sent_as_data_after_the_outputs_before_it():
+async def test_a_request_error_travels_as_data_after_its_outputs():
     engine = ScriptedEngine()
-    stream = replica_with(engine).generate(request())
-    engine.source.put_nowait(output(1))
-    engine.source.put_nowait(ConnectorError("too long", status=400, code="context_length_exceeded", param="messages"))
-    items = [item async for item in stream]
-    assert ids(items[0]) == [1]
-    assert items[1] == {
-        "error": {
-            "message": "too long",
-            "status": 400,
-            "type": "invalid_request_error",
-            "code": "context_length_exceeded",
-            "param": "messages",
-        }
-    }
-    assert len(items) == 2
-
-
-async def test_closing_the_stream_closes_the_engines_stream():
-    engine = ScriptedEngine()
-    stream = replica_with(engine).generate(request())
-    engine.source.put_nowait(output(1))
+    r = replica(engine)
+    channel = ServeStream(r.channel({"channel": "f", "pin": "a"}))
+    await anext(channel)
+    stream = ServeStream(r.generate(request("r1")))
     await anext(stream)
-    await stream.aclose()  # what Serve does when the front end cancels (its client left)
-    assert engine.closed.is_set()
+    engine.sources["r1"].put_nowait(output("r1", 1))
+    engine.sources["r1"].put_nowait(ConnectorError("too long", status=400, code="context_length_exceeded"))
+    items: list = []
+    while len(items) < 2:
+        items += await anext(channel)
+    assert items[0][1].outputs[0].token_ids == [1]
+    assert items[1] == (
+        "r1",
+        {
+            "error": {
+                "message": "too long",
+                "status": 400,
+                "type": "invalid_request_error",
+                "code": "context_length_exceeded",
+                "param": None,
+            }
+        },
+    )
+    channel.cancel()
+
+
+async def test_cancelling_a_requests_stream_closes_its_engine_stream():
+    engine = ScriptedEngine()
+    r = replica(engine)
+    stream = ServeStream(r.generate(request("r1")))
+    await anext(stream)
+    engine.sources["r1"].put_nowait(output("r1", 1))
+    await settle()
+    stream.cancel()  # what Serve does when the front end cancels (its client left)
+    await asyncio.wait_for(engine.closed["r1"].wait(), 10)
+
+
+async def test_a_channel_ends_once_no_request_of_its_front_end_has_run_here_for_a_while():
+    engine = ScriptedEngine()
+    r = replica(engine)
+    r.channel_idle_s = 0.01
+    stream = ServeStream(r.generate(request("r1")))
+    await anext(stream)
+    channel = ServeStream(r.channel({"channel": "f", "pin": "a"}))
+    await anext(channel)
+    await asyncio.sleep(0.05)  # idle periods pass, but r1 still runs: the channel stays open
+    engine.sources["r1"].put_nowait(output("r1", 1, finished=True))
+    assert [(rid, out.finished) for rid, out in await anext(channel)] == [("r1", True)]
+    engine.sources["r1"].put_nowait(None)
+    assert [x async for x in stream] == []
+    assert [x async for x in channel] == []  # nothing runs here any more: it ends
+    assert r._outboxes == {}
+
+
+class CountingEngine(StandInEngine):
+    """Counts on from the prompt's last token; with ``stall_after``, hangs after that many tokens."""
+
+    def __init__(self, stall_after: int | None = None):
+        self.stall_after = stall_after
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, model: str, request_id: str, prompt, params) -> AsyncIterator[RequestOutput]:
+        self.prompts.append(list(prompt))
+        for i in range(params.max_tokens):
+            if i == self.stall_after:
+                await asyncio.Event().wait()
+            await asyncio.sleep(0)
+            token = prompt[-1] + i + 1
+            done = i + 1 == params.max_tokens
+            yield RequestOutput(
+                request_id,
+                None,
+                list(prompt),
+                [CompletionOutput(0, str(token), [token], finish_reason="length" if done else None)],
+                finished=done,
+                delta=True,
+                num_generated_tokens=i + 1,
+            )
+
+
+async def test_a_replica_that_dies_mid_stream_is_left_for_another_with_nothing_lost_or_repeated():
+    dying, healthy = CountingEngine(stall_after=3), CountingEngine()
+    handle = Handle([replica(dying, "a"), replica(healthy, "b")], {"models": [ModelCard("m", "generate", 256)]})
+    connector = RayConnector(handle=handle, board_reader=None, prefix_routing=False)
+    tokens: list[int] = []
+    async for out in connector.generate("m", "req", PROMPT, SamplingParams(max_tokens=8)):
+        tokens += out.outputs[0].token_ids
+        assert out.prompt_token_ids == PROMPT  # the original prompt, also after the move
+        if len(tokens) == 3:
+            handle.kill("a", RayActorError())  # SIGKILL: its streams and its channel break
+        last = out
+    assert tokens == list(range(4, 12))
+    assert last.finished and last.num_generated_tokens == 8
+    assert healthy.prompts == [[*PROMPT, 4, 5, 6]]  # resumed from what the client had
+    assert [g["request_id"] for g in handle.generated] == ["req", "req~m1"]
+    connector.shutdown()

@@ -8,6 +8,7 @@ ongoing requests are stand-ins here; the router's own state is real.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 from servelm.connectors.ray_router import PrefixAwareRouter
@@ -91,3 +92,25 @@ async def test_calls_other_than_generate_get_the_two_choices():
     req = SimpleNamespace(args=["models"], kwargs={}, metadata=SimpleNamespace(internal_request_id="x"))
     groups = await r.choose_replicas(REPLICAS, req)
     assert len(groups) == 1 and len(groups[0]) == 2
+
+
+@dataclass(frozen=True)
+class ReplicaID:
+    """Serve's replica id, as far as the router reads it."""
+
+    unique_id: str
+
+
+async def test_a_channel_call_goes_to_the_replica_it_pins_and_to_no_other():
+    r, loads = router()
+    replicas = [SimpleNamespace(replica_id=ReplicaID(name)) for name in ("a", "b")]
+    loads.update({replicas[0].replica_id: 0, replicas[1].replica_id: 50})  # "b" is busy: load does not matter
+
+    def channel(pin: str) -> SimpleNamespace:
+        meta = SimpleNamespace(internal_request_id=str(next(IDS)))
+        return SimpleNamespace(args=[{"channel": "front-end", "pin": pin}], kwargs={}, metadata=meta)
+
+    groups = await r.choose_replicas(replicas, channel("b"))
+    assert [[x.replica_id.unique_id for x in g] for g in groups] == [["b"]]
+    # A replica that is gone (or not yet up): no candidate, so Serve waits rather than sending it elsewhere.
+    assert await r.choose_replicas(replicas, channel("c")) == [[]]
