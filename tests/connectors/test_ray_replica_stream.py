@@ -58,6 +58,14 @@ def request(rid: str) -> dict:
     return {"model": "m", "request_id": rid, "prompt": PROMPT, "params": SamplingParams(max_tokens=5), "channel": "f"}
 
 
+async def running(engine: ScriptedEngine) -> tuple:
+    """A replica over ``engine`` with request r1 started on it: (replica, r1's own stream, past its hello)."""
+    r = replica(engine)
+    stream = ServeStream(r.generate(request("r1")))
+    assert await anext(stream) == {"replica": "a"}
+    return r, stream
+
+
 async def settle() -> None:
     for _ in range(50):
         await asyncio.sleep(0)
@@ -94,9 +102,7 @@ async def test_one_engine_steps_outputs_of_several_requests_travel_as_one_channe
 
 async def test_outputs_made_before_the_channel_opens_wait_for_it():
     engine = ScriptedEngine()
-    r = replica(engine)
-    stream = ServeStream(r.generate(request("r1")))
-    await anext(stream)
+    r, stream = await running(engine)
     engine.sources["r1"].put_nowait(output("r1", 1))
     engine.sources["r1"].put_nowait(output("r1", 2, finished=True))
     engine.sources["r1"].put_nowait(None)
@@ -109,11 +115,9 @@ async def test_outputs_made_before_the_channel_opens_wait_for_it():
 
 async def test_a_request_error_travels_as_data_after_its_outputs():
     engine = ScriptedEngine()
-    r = replica(engine)
+    r, _ = await running(engine)
     channel = ServeStream(r.channel({"channel": "f", "pin": "a"}))
     await anext(channel)
-    stream = ServeStream(r.generate(request("r1")))
-    await anext(stream)
     engine.sources["r1"].put_nowait(output("r1", 1))
     engine.sources["r1"].put_nowait(ConnectorError("too long", status=400, code="context_length_exceeded"))
     items: list = []
@@ -137,9 +141,7 @@ async def test_a_request_error_travels_as_data_after_its_outputs():
 
 async def test_cancelling_a_requests_stream_closes_its_engine_stream():
     engine = ScriptedEngine()
-    r = replica(engine)
-    stream = ServeStream(r.generate(request("r1")))
-    await anext(stream)
+    _, stream = await running(engine)
     engine.sources["r1"].put_nowait(output("r1", 1))
     await settle()
     stream.cancel()  # what Serve does when the front end cancels (its client left)
@@ -148,10 +150,8 @@ async def test_cancelling_a_requests_stream_closes_its_engine_stream():
 
 async def test_a_channel_ends_once_no_request_of_its_front_end_has_run_here_for_a_while():
     engine = ScriptedEngine()
-    r = replica(engine)
+    r, stream = await running(engine)
     r.channel_idle_s = 0.01
-    stream = ServeStream(r.generate(request("r1")))
-    await anext(stream)
     channel = ServeStream(r.channel({"channel": "f", "pin": "a"}))
     await anext(channel)
     await asyncio.sleep(0.05)  # idle periods pass, but r1 still runs: the channel stays open
