@@ -27,8 +27,10 @@ from torch import nn
 from servelm import kernels
 from servelm.models.packed import PackedLinear, can_pack, replace_linears
 
-# Rows (tokens) up to which the int8 kernel beats float32 GEMM on a 2-core
-# AVX-512 CPU (bench/quantized.py); past it, the float copy is faster.
+# Rows (tokens) up to which the int8 kernel runs; past it, the float copy is
+# faster. Set from timings on a 2-core AVX-512 CPU when the int8 mode was
+# added; no script in bench/ re-measures the crossover (bench/quantized.py
+# times batch 1, bench/w8a8_gemm.py the int8 kernel at M = 1 only).
 SMALL_BATCH = 4
 
 
