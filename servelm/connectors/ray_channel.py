@@ -67,8 +67,9 @@ class Channels:
 
     async def _read(self, replica: str) -> None:
         reason: BaseException
-        response = self._open({"channel": self.id, "pin": replica})
+        response = None
         try:
+            response = self._open({"channel": self.id, "pin": replica})
             items = aiter(response)
             async with asyncio.timeout(OPEN_TIMEOUT_S):
                 await anext(items)  # {"replica": id}: open
@@ -84,9 +85,10 @@ class Channels:
             reason = ReplicaFailed(f"the channel from replica {replica} failed: {exc!r}")
         finally:
             self._readers.pop(replica, None)
-            if hasattr(response, "cancel"):
+            if response is not None:
                 response.cancel()  # a no-op once the stream has ended
-        logger.warning("%s", reason)
-        for request_id, where in list(self._where.items()):
-            if where == replica:
-                self._mailboxes[request_id].put_nowait(reason)
+        left = [request_id for request_id, where in self._where.items() if where == replica]
+        # A channel also ends when no request of this front end has run on its replica for a while.
+        logger.log(logging.WARNING if left else logging.DEBUG, "%s; %d request(s) on it move", reason, len(left))
+        for request_id in left:
+            self._mailboxes[request_id].put_nowait(reason)

@@ -98,20 +98,24 @@ class PrefixTable:
         self.blocks.pop(replica, None)
 
 
-def pinned_replica(pending_request: PendingRequest | None) -> str | None:
-    """The replica an ``EngineReplica.channel`` call must reach (its ``pin``), if that is what is routed."""
+def _call_argument(pending_request: PendingRequest | None) -> dict[str, Any] | None:
+    """The dict a replica call is made with (its first argument), if it has one."""
     if pending_request is None or not pending_request.args:
         return None
-    target = pending_request.args[0]
-    return target.get("pin") if isinstance(target, dict) else None
+    argument = pending_request.args[0]
+    return argument if isinstance(argument, dict) else None
+
+
+def pinned_replica(pending_request: PendingRequest | None) -> str | None:
+    """The replica an ``EngineReplica.channel`` call must reach (its ``pin``), if that is what is routed."""
+    target = _call_argument(pending_request)
+    return None if target is None else target.get("pin")
 
 
 def routed_request(pending_request: PendingRequest | None) -> dict[str, Any] | None:
     """The request dict of an ``EngineReplica.generate`` call, if that is what is routed."""
-    if pending_request is None or not pending_request.args:
-        return None
-    request = pending_request.args[0]
-    return request if isinstance(request, dict) and isinstance(request.get("prompt"), list) else None
+    request = _call_argument(pending_request)
+    return request if request is not None and isinstance(request.get("prompt"), list) else None
 
 
 class PrefixAwareRouter(RequestRouter):
