@@ -29,7 +29,7 @@ from servelm.engine.spec_decode.verifier import Speculation, verify_isolated
 from servelm.kernels import cpu_kernels
 from servelm.models.loader import load_model
 from servelm.models.weight_layout import free_memory_bytes, lay_out_weights
-from servelm.platform.memory import keep_freed_memory
+from servelm.platform.memory import heap_only, keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,8 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, self.block_size)
         self.sampler = Sampler()
+        if self.device.type == "cpu":
+            heap_only()  # the weights and the KV cache are in place: steps reuse what they free
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,

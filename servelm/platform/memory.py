@@ -8,7 +8,13 @@ free. A model step allocates and frees tens of megabytes of activations, so
 every step would fault in (and the kernel zero) the same pages again, a large
 share of a prefill step's time on CPU. Raising both thresholds once makes the
 freed memory stay in the process for the next step, as tcmalloc and jemalloc
-do (vLLM's CPU build preloads tcmalloc for the same reason).
+do (vLLM's CPU build preloads tcmalloc for the same reason). A prefill chunk's
+MLP activations outgrow even the highest threshold on bigger models (2048 rows
+of the Qwen2.5-0.5B shape's gate/up are 40 MB, the Llama-3.2-1B shape's 64 MB),
+so once the weights and the KV cache are in place the engine turns ``mmap``
+off for the rest (``heap_only``): every later block comes from the heap and
+stays there. Loading keeps ``mmap`` on, so that a model's weights, and the
+copies freed while laying them out, go back to the kernel when freed.
 
 Decoding one sequence streams every weight once per token, which on 4 KiB
 pages misses the TLB at every page; ``huge_page_copies`` places tensors
@@ -32,23 +38,37 @@ logger = logging.getLogger(__name__)
 # mallopt parameters, from glibc's malloc.h
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 
 _MMAP_THRESHOLD = 32 << 20  # glibc's upper limit on 64-bit systems
 _TRIM_THRESHOLD = 1 << 30
+_MMAP_MAX = 65536  # glibc's default number of mmap-served blocks
 
 
-def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds; False where the C library is not glibc."""
+def _mallopt(settings: dict[int, int]) -> bool:
+    """Set glibc malloc parameters; False where the C library is not glibc or refuses one."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    ok = all(mallopt(param, value) == 1 for param, value in settings.items())
     if not ok:
-        logger.debug("mallopt refused the thresholds")
+        logger.debug("mallopt refused %s", settings)
     return ok
+
+
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds, with ``mmap`` on for blocks above them (as for loading a
+    model); False where the C library is not glibc."""
+    return _mallopt({_M_MMAP_THRESHOLD: _MMAP_THRESHOLD, _M_TRIM_THRESHOLD: _TRIM_THRESHOLD, _M_MMAP_MAX: _MMAP_MAX})
+
+
+def heap_only() -> bool:
+    """Serve every later allocation from glibc's heap, however large, so that freed blocks stay for the
+    next step (``keep_freed_memory`` first); False where the C library is not glibc."""
+    return _mallopt({_M_MMAP_MAX: 0})
 
 
 _HUGE_PAGE = 2 << 20

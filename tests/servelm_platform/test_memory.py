@@ -7,15 +7,43 @@ from __future__ import annotations
 
 import gc
 import platform
+import resource
 
+import pytest
 import torch
 
-from servelm.platform.memory import huge_page_copies, keep_freed_memory
+from servelm.platform.memory import heap_only, huge_page_copies, keep_freed_memory
+
+GLIBC = platform.libc_ver()[0] == "glibc"
 
 
 def test_thresholds_are_set_under_glibc_and_skipped_elsewhere():
     # mallopt returns 1 for each accepted setting; other C libraries have no mallopt to call.
-    assert keep_freed_memory() is (platform.libc_ver()[0] == "glibc")
+    assert keep_freed_memory() is GLIBC
+
+
+def _page_faults_touching(nbytes: int) -> int:
+    """Minor page faults taken while allocating ``nbytes``, writing every page, and freeing them."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = torch.empty(nbytes, dtype=torch.uint8)
+    block.fill_(1)
+    del block
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+def test_a_step_sized_block_above_the_mmap_threshold_is_reused_only_once_mmap_is_off():
+    # 64 MiB: the Llama-3.2-1B shape's gate/up activations for a 2048-token chunk, above glibc's 32 MiB cap.
+    nbytes, pages = 64 << 20, (64 << 20) // 4096
+    try:
+        assert keep_freed_memory()
+        _page_faults_touching(nbytes)
+        assert _page_faults_touching(nbytes) > pages // 2  # a fresh mapping each time, faulted in again
+        assert heap_only()
+        _page_faults_touching(nbytes)  # the heap grows once
+        assert _page_faults_touching(nbytes) < pages // 10  # then the same pages serve the next step
+    finally:
+        keep_freed_memory()  # mmap back on for the rest of the test process
 
 
 def test_huge_page_copies_hold_their_values_past_the_callers_references():
