@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from servelm.engine.sampler import (
+    _DRAW_BLOCK,
     Sampler,
     SamplingState,
     apply_min_p,
@@ -328,6 +329,20 @@ def test_random_choice_follows_the_probabilities_and_never_draws_a_zero():
     assert freq[[0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
     # 5 standard deviations of a binomial frequency at n = 100k is under 0.008.
     assert torch.allclose(freq[[1, 3, 4]], probs[[1, 3, 4]], atol=0.008)
+
+
+def test_random_choice_across_blocks_follows_the_probabilities_and_never_draws_a_zero():
+    # Three whole blocks of the two-level lookup and a partial one: mass on each side of block edges,
+    # several tokens in one block, the partial block's first and last columns.
+    block, vocab = _DRAW_BLOCK, 3 * _DRAW_BLOCK + 5
+    probs = torch.zeros(vocab)
+    where = [0, 5, block - 1, block, 2 * block + 7, 2 * block + 900, 3 * block, 3 * block + 4]
+    probs[where] = torch.tensor([0.05, 0.05, 0.2, 0.1, 0.15, 0.05, 0.1, 0.3])
+    n = 100_000
+    draws = random_choice(probs.expand(n, -1).contiguous(), [None] * n)
+    freq = torch.bincount(draws, minlength=vocab) / n
+    assert set(draws.unique().tolist()) <= set(where)
+    assert torch.allclose(freq[where], probs[where], atol=0.008)
 
 
 def test_random_choice_with_all_mass_on_the_last_token():
