@@ -34,7 +34,10 @@
 # for `servelm bench serve`), TOKENIZER (builds the prompts, so every server
 # gets the same ones; default the bundled smollm2-135m-instruct, whose
 # tokens the shapes' padded tokenizers encode alike), LIMITS_ARGS (extra
-# flags for bench/machine_limits.py, e.g. "--repeats 3"), IDLE_SECONDS (5).
+# flags for bench/machine_limits.py, e.g. "--repeats 3"), IDLE_SECONDS (5),
+# LOAD_MEMORY_INTERVAL (seconds between memory samples under load, default 5:
+# reading a multi-GiB server's smaps_rollup takes ~50 ms of kernel time, which
+# at every 0.5 s took ~10% from a server on two cores).
 set -euo pipefail
 
 if [[ ${1:-} == --shape ]]; then
@@ -137,7 +140,8 @@ for server in "${SERVERS[@]}"; do
         pid=$("$script" pid)
         "$PY" "$BENCH_DIR/process_memory.py" "$pid" --phase idle --seconds "$IDLE_SECONDS" --out "$memory" ||
             log "$label: no idle memory sample"
-        "$PY" "$BENCH_DIR/process_memory.py" "$pid" --phase load --out "$memory" &
+        "$PY" "$BENCH_DIR/process_memory.py" "$pid" --phase load --interval "${LOAD_MEMORY_INTERVAL:-5}" \
+            --out "$memory" &
         SAMPLER=$!
         # shellcheck disable=SC2086
         servelm_clean bench serve --base-url "http://127.0.0.1:$port" --model "$SERVED_MODEL_NAME" \
