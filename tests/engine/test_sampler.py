@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from servelm.engine.sampler import (
-    _DRAW_BLOCK,
+    _BLOCK,
     Sampler,
     SamplingState,
     apply_min_p,
@@ -59,6 +59,20 @@ def test_greedy_is_argmax(device):
     logits = torch.randn(8, 50, device=device)
     out = Sampler()(logits, [state(SamplingParams(temperature=0.0)) for _ in range(8)])
     assert out.token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [50, _BLOCK, 3 * _BLOCK + 5])
+def test_greedy_takes_the_first_of_tied_maxima_across_blocks(vocab):
+    # Small integers tie often, within a block and across blocks (the two-level lookup's seams); one row
+    # holds its maximum only in the partial last block, one only in column 0.
+    logits = torch.randint(-3, 4, (6, vocab)).float()
+    logits[4, :] = -5.0
+    logits[4, -1] = 9.0
+    logits[5, :] = -5.0
+    logits[5, 0] = 9.0
+    out = Sampler()(logits, [state(SamplingParams(temperature=0.0)) for _ in range(6)])
+    first_of_largest = (logits == logits.amax(-1, keepdim=True)).int().argmax(-1)
+    assert out.token_ids == first_of_largest.tolist()
 
 
 def test_top_k_1_is_deterministic_argmax():
@@ -334,7 +348,7 @@ def test_random_choice_follows_the_probabilities_and_never_draws_a_zero():
 def test_random_choice_across_blocks_follows_the_probabilities_and_never_draws_a_zero():
     # Three whole blocks of the two-level lookup and a partial one: mass on each side of block edges,
     # several tokens in one block, the partial block's first and last columns.
-    block, vocab = _DRAW_BLOCK, 3 * _DRAW_BLOCK + 5
+    block, vocab = _BLOCK, 3 * _BLOCK + 5
     probs = torch.zeros(vocab)
     where = [0, 5, block - 1, block, 2 * block + 7, 2 * block + 900, 3 * block, 3 * block + 4]
     probs[where] = torch.tensor([0.05, 0.05, 0.2, 0.1, 0.15, 0.05, 0.1, 0.3])
