@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import platform
 import resource
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,8 @@ import torch
 from servelm.platform.memory import heap_only, huge_page_copies, keep_freed_memory
 
 GLIBC = platform.libc_ver()[0] == "glibc"
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_ALWAYS = _THP.is_file() and "[always]" in _THP.read_text()
 
 
 def test_thresholds_are_set_under_glibc_and_skipped_elsewhere():
@@ -33,17 +38,22 @@ def _page_faults_touching(nbytes: int) -> int:
 
 @pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
 def test_a_step_sized_block_above_the_mmap_threshold_is_reused_only_once_mmap_is_off():
-    # 64 MiB: the Llama-3.2-1B shape's gate/up activations for a 2048-token chunk, above glibc's 32 MiB cap.
-    nbytes, pages = 64 << 20, (64 << 20) // 4096
+    # 40 MiB: the Qwen2.5-0.5B shape's gate/up activations for a 2048-token chunk, above glibc's 32 MiB cap.
+    nbytes, pages = 40 << 20, (40 << 20) // 4096
     try:
         assert keep_freed_memory()
-        _page_faults_touching(nbytes)
-        assert _page_faults_touching(nbytes) > pages // 2  # a fresh mapping each time, faulted in again
+        faults = [_page_faults_touching(nbytes) for _ in range(3)]
+        if not THP_ALWAYS:  # where every fresh mapping gets 2 MiB pages, a few dozen faults fill one
+            assert min(faults) > pages // 2  # a fresh mapping each time, faulted in again
         assert heap_only()
-        _page_faults_touching(nbytes)  # the heap grows once
-        assert _page_faults_touching(nbytes) < pages // 10  # then the same pages serve the next step
+        # The heap grows for the first few (glibc sorts the freed blocks into its bins, and an aligned
+        # request asks for a little more than the block freed), then the same pages serve every step.
+        faults = [_page_faults_touching(nbytes) for _ in range(20)]
+        assert max(faults[-5:]) < pages // 10, faults
     finally:
         keep_freed_memory()  # mmap back on for the rest of the test process
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)  # and the heap this test grew handed back
 
 
 def test_huge_page_copies_hold_their_values_past_the_callers_references():
