@@ -5,17 +5,17 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
+import json
 import platform
-import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from servelm.platform.memory import heap_only, huge_page_copies, keep_freed_memory
+from servelm.platform.memory import huge_page_copies, keep_freed_memory
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -27,33 +27,38 @@ def test_thresholds_are_set_under_glibc_and_skipped_elsewhere():
     assert keep_freed_memory() is GLIBC
 
 
-def _page_faults_touching(nbytes: int) -> int:
-    """Minor page faults taken while allocating ``nbytes``, writing every page, and freeing them."""
+# Run in a fresh interpreter: whether a block comes from a fresh mapping depends on what the process's
+# heap already holds, and engines built earlier in the test process leave large free blocks in it.
+_FAULTS = """
+import json, resource, sys, torch
+from servelm.platform.memory import heap_only, keep_freed_memory
+
+def faults(nbytes):  # minor page faults taken while allocating nbytes, writing every page, freeing them
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     block = torch.empty(nbytes, dtype=torch.uint8)
     block.fill_(1)
     del block
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
+nbytes = int(sys.argv[1])
+assert keep_freed_memory()
+with_mmap = [faults(nbytes) for _ in range(3)]
+assert heap_only()
+print(json.dumps([with_mmap, [faults(nbytes) for _ in range(20)]]))
+"""
+
 
 @pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
 def test_a_step_sized_block_above_the_mmap_threshold_is_reused_only_once_mmap_is_off():
     # 40 MiB: the Qwen2.5-0.5B shape's gate/up activations for a 2048-token chunk, above glibc's 32 MiB cap.
     nbytes, pages = 40 << 20, (40 << 20) // 4096
-    try:
-        assert keep_freed_memory()
-        faults = [_page_faults_touching(nbytes) for _ in range(3)]
-        if not THP_ALWAYS:  # where every fresh mapping gets 2 MiB pages, a few dozen faults fill one
-            assert min(faults) > pages // 2  # a fresh mapping each time, faulted in again
-        assert heap_only()
-        # The heap grows for the first few (glibc sorts the freed blocks into its bins, and an aligned
-        # request asks for a little more than the block freed), then the same pages serve every step.
-        faults = [_page_faults_touching(nbytes) for _ in range(20)]
-        assert max(faults[-5:]) < pages // 10, faults
-    finally:
-        keep_freed_memory()  # mmap back on for the rest of the test process
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)  # and the heap this test grew handed back
+    run = subprocess.run([sys.executable, "-c", _FAULTS, str(nbytes)], capture_output=True, text=True, check=True)
+    with_mmap, heap = json.loads(run.stdout)
+    if not THP_ALWAYS:  # where every fresh mapping gets 2 MiB pages, a few dozen faults fill one
+        assert min(with_mmap) > pages // 2, with_mmap  # a fresh mapping each time, faulted in again
+    # The heap grows for the first few (glibc sorts the freed blocks into its bins, and an aligned
+    # request asks for a little more than the block freed), then the same pages serve every step.
+    assert max(heap[-5:]) < pages // 10, heap
 
 
 def test_huge_page_copies_hold_their_values_past_the_callers_references():
