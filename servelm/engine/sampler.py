@@ -16,17 +16,16 @@ grammar allows, never to one it forbids.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from servelm.engine.grammar_matcher import GrammarMatcher, mask_logits
+from servelm.engine.row_blocks import inverse_cdf, row_max
 from servelm.engine.sampling_params import SamplingParams
 
 # How many of the most likely tokens top-p looks at before sorting a whole row.
 _TOP_P_CANDIDATES = 1024
-_BLOCK = 1024  # columns per block of the two-level lookups (random_choice, _row_max)
 # Dividing by a temperature this small overflows float32, and the
 # distribution is indistinguishable from greedy anyway (vLLM does the same).
 _GREEDY_TEMPERATURE = 1e-5
@@ -227,7 +226,7 @@ def greedy_tokens(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     degenerate model output) still gets a valid token id rather than an
     error that would fail the whole batch.
     """
-    values, tokens = _row_max(x)
+    values, tokens = row_max(x)
     bad = ~(values > float("-inf"))  # NaN compares false too
     if bad.any():
         rows = bad.nonzero()[:, 0]
@@ -237,31 +236,6 @@ def greedy_tokens(x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         values, picked = cleaned.max(dim=-1)
         tokens[rows] = torch.where(values > float("-inf"), picked, fallback)
     return tokens
-
-
-def _row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's largest value and the first index holding it, as ``x.max(dim=-1)`` gives them (NaN
-    counting as largest), in two levels: the maxima of blocks of ``_BLOCK`` columns (``amax``, which keeps
-    no index, is several times faster than ``max`` and ``argmax`` over a [rows, vocab] CPU tensor), then
-    the first block holding the row's largest, searched alone."""
-    block = _per_block(x, lambda blocks: blocks.amax(dim=-1)).max(dim=-1).indices[:, None]
-    values, within = _block_columns(x, block, float("-inf")).max(dim=-1)
-    return values, block[:, 0] * _BLOCK + within
-
-
-def _per_block(x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``[rows, blocks]``: ``reduce`` (over the last dimension) of each row's blocks of ``_BLOCK`` columns,
-    the last block partial where the width is not a multiple."""
-    rows, width = x.shape
-    full = width - width % _BLOCK
-    reduced = reduce(x[:, :full].reshape(rows, full // _BLOCK, _BLOCK))
-    return torch.cat([reduced, reduce(x[:, None, full:])], dim=1) if full < width else reduced
-
-
-def _block_columns(x: torch.Tensor, block: torch.Tensor, fill: float) -> torch.Tensor:
-    """``[rows, _BLOCK]``: the columns of each row's block (``block``, ``[rows, 1]``), ``fill`` past the width."""
-    columns = block * _BLOCK + torch.arange(_BLOCK, device=x.device)
-    return torch.where(columns < x.shape[1], x.gather(1, columns.clamp(max=x.shape[1] - 1)), fill)
 
 
 def _sample(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -361,39 +335,18 @@ def random_choice(probs: torch.Tensor, generators: list[torch.Generator | None])
     """Draw one index per row from ``probs`` (rows sum to 1, up to rounding).
 
     Inverse transform: one uniform number per row, looked up in the row's
-    running sum, in two levels: the sums of blocks of ``_BLOCK`` columns
-    find the block the number falls in, a running sum inside that block the
-    index. That reads the row once, where a running sum of the whole row
-    costs several times more (``cumsum`` over a vocabulary of 150k is a few
-    milliseconds a step at 32 rows). A row with a generator draws its number
-    from that generator alone, so its token does not depend on the rest of
-    the batch.
+    running sum (``row_blocks.inverse_cdf``). A row with a generator draws
+    its number from that generator alone, so its token does not depend on
+    the rest of the batch.
     """
-    rows, vocab = probs.shape
+    rows = probs.shape[0]
     u = torch.empty(rows, 1, dtype=probs.dtype, device=probs.device)
     if any(g is None for g in generators):
         u.uniform_()
     for i, g in enumerate(generators):
         if g is not None:
             u[i].uniform_(generator=g)
-    block_cdf = _per_block(probs, lambda blocks: blocks.sum(dim=-1)).cumsum(dim=-1)
-    block = _first_above(block_cdf, u * block_cdf[:, -1:])
-    target = u * block_cdf[:, -1:] - torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    # Columns past the vocabulary (in the last, partial block) weigh nothing.
-    within = _first_above(_block_columns(probs, block, 0.0).cumsum(dim=-1), target)
-    # Clamped: rounding must never yield an index past the vocabulary.
-    return (block * _BLOCK + within)[:, 0].clamp_(max=vocab - 1)
-
-
-def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Each row's first column whose running sum ``cdf`` exceeds ``target`` (``[rows, 1]``), as ``[rows, 1]``.
-
-    The target is first held strictly below the row's total, so that the column found adds a non-zero
-    amount: a banned token adds nothing to the sum and can never be the one.
-    """
-    total = cdf[:, -1:]
-    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+    return inverse_cdf(probs, u)
 
 
 def top_logprobs(

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from servelm.engine.row_blocks import BLOCK
 from servelm.engine.sampler import (
-    _BLOCK,
     Sampler,
     SamplingState,
     apply_min_p,
@@ -61,7 +61,7 @@ def test_greedy_is_argmax(device):
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("vocab", [50, _BLOCK, 3 * _BLOCK + 5])
+@pytest.mark.parametrize("vocab", [50, BLOCK, 3 * BLOCK + 5])
 def test_greedy_takes_the_first_of_tied_maxima_across_blocks(vocab):
     # Small integers tie often, within a block and across blocks (the two-level lookup's seams); one row
     # holds its maximum only in the partial last block, one only in column 0.
@@ -348,7 +348,7 @@ def test_random_choice_follows_the_probabilities_and_never_draws_a_zero():
 def test_random_choice_across_blocks_follows_the_probabilities_and_never_draws_a_zero():
     # Three whole blocks of the two-level lookup and a partial one: mass on each side of block edges,
     # several tokens in one block, the partial block's first and last columns.
-    block, vocab = _BLOCK, 3 * _BLOCK + 5
+    block, vocab = BLOCK, 3 * BLOCK + 5
     probs = torch.zeros(vocab)
     where = [0, 5, block - 1, block, 2 * block + 7, 2 * block + 900, 3 * block, 3 * block + 4]
     probs[where] = torch.tensor([0.05, 0.05, 0.2, 0.1, 0.15, 0.05, 0.1, 0.3])
