@@ -10,9 +10,9 @@
  * waits on each add), and the rows two groups on are prefetched into L2
  * while these are summed, which keeps more of the memory bus busy than the
  * hardware prefetcher alone. Into L2, not L1: on Zen 4 a prefetch into L1
- * holds one of its few miss buffers, and the int8 rows (half the bytes of
- * bfloat16 for the same arithmetic) streamed at 21 GB/s so, against 32-50
- * GB/s into L2: as fast per byte as the pair layout below. bfloat16 rows go
+ * holds one of its few miss buffers. Prefetched into L1, the int8 rows
+ * streamed at about 21 GB/s; into L2 at 32-50 GB/s, as fast per byte as the
+ * pair layout below. bfloat16 rows go
  * through vdpbf16ps (AVX512-BF16), which multiplies pairs of bfloat16 and
  * adds them in float32 without widening anything. Elsewhere a portable
  * loop that the compiler vectorises runs. Built at first use by
