@@ -279,7 +279,7 @@ def sampling_probs(x: torch.Tensor, states: list[SamplingState]) -> tuple[torch.
                 x = stage(x, values)
             else:
                 index = torch.tensor(rows, device=dev)
-                x[index] = stage(x[index], values)
+                x = x.index_copy(0, index, stage(x[index], values))  # not in place: x may be the raw logits
     probs = x.softmax(dim=-1)
     # Softmax spreads a NaN or an infinity in a row, or a row of nothing but -inf, as NaN over the whole
     # row, so the sum alone tells a degenerate row, in one pass rather than isfinite's four.

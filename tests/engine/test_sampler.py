@@ -363,3 +363,12 @@ def test_random_choice_with_all_mass_on_the_last_token():
     probs = torch.zeros(1000, 7)
     probs[:, 6] = 1.0
     assert random_choice(probs, [None] * 1000).tolist() == [6] * 1000
+
+
+def test_a_stage_asked_by_some_rows_leaves_the_callers_logits_as_they_were():
+    # float32 logits at temperature 1 with no processor reach the top-p stage as the caller's own tensor
+    logits = torch.randn(3, 64)
+    before = logits.clone()
+    states = [state(SamplingParams(top_p=0.2, seed=1)), state(SamplingParams(seed=2)), state(SamplingParams(seed=3))]
+    Sampler()(logits, states)
+    assert torch.equal(logits, before)
