@@ -9,10 +9,13 @@ w8a8``, all over bfloat16 activations on the CPU) the bundled model:
   tokens are compared with bfloat16's: tokens identical at the same position,
   tokens before the first difference, completions identical;
 - scores ``TEXT`` below (prompt logprobs, teacher-forced): perplexity
-  ``exp(-mean log p(token | tokens before))`` over every token after the first.
+  ``exp(-mean log p(token | tokens before))`` over every token after the first;
+  with ``--text-file``, also each file's first ``--text-tokens`` tokens
+  (whitespace collapsed), and the geometric mean of every text's perplexity.
 
     .venv/bin/python bench/quant_quality.py
     .venv/bin/python bench/quant_quality.py --tokens 64 --modes none w8a8
+    .venv/bin/python bench/quant_quality.py --text-file /usr/share/common-licenses/{GPL-3,Apache-2.0,MPL-2.0,GFDL-1.3}
 """
 
 from __future__ import annotations
@@ -57,7 +60,13 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="quantization modes to run")
+    ap.add_argument("--text-file", nargs="*", default=[], help="more texts to score, one per file")
+    ap.add_argument("--text-tokens", type=int, default=2000, help="tokens scored of each --text-file")
     args = ap.parse_args()
+    texts = {"TEXT": TEXT}
+    for path in args.text_file:
+        with open(path, encoding="utf-8") as f:
+            texts[os.path.basename(path)] = " ".join(f.read().split())
 
     from servelm import LLM, SamplingParams
 
@@ -72,12 +81,18 @@ def main() -> None:
             kv_cache_memory=256 << 20,
             quantization=mode,
             enable_prefix_caching=False,
+            max_model_len=max(4096, args.text_tokens + 1),
         )
         tokens[mode] = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, greedy)]
-        scored = llm.generate(TEXT, score)[0].prompt_logprobs
-        logprobs = [p.chosen.logprob for p in scored if p is not None]
-        perplexity[mode] = math.exp(-statistics.mean(logprobs))
-        print(f"{mode:>5}: perplexity {perplexity[mode]:.3f} over {len(logprobs)} tokens", flush=True)
+        by_text = {}
+        for name, text in texts.items():
+            scored = llm.generate(llm.tokenizer.encode(text)[: args.text_tokens], score)[0].prompt_logprobs
+            logprobs = [p.chosen.logprob for p in scored if p is not None]
+            by_text[name] = math.exp(-statistics.mean(logprobs))
+            print(f"{mode:>5}: perplexity {by_text[name]:.3f} over {len(logprobs)} tokens of {name}", flush=True)
+        perplexity[mode] = math.exp(statistics.mean(math.log(v) for v in by_text.values()))
+        if len(texts) > 1:
+            print(f"{mode:>5}: perplexity {perplexity[mode]:.3f}, the geometric mean over {len(texts)} texts")
         del llm
 
     if "none" not in tokens:

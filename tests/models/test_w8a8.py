@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from servelm.models.quantization import Int8Linear, Int8Rows
+from servelm.models.quantization import Int8Rows
 from servelm.models.w8a8 import W8A8Linear, quantize_activations, quantize_w8a8
 
 # (M, K, N): ragged rows (1, 5, past one 48-row work item, past one 6-row tile), outputs not a multiple of 16
@@ -134,7 +134,7 @@ def test_w8a8_pack_refuses_a_weight_that_is_not_int8(native_kernels):
         native_kernels.w8a8_pack(torch.zeros(0, 4, dtype=torch.int8))
 
 
-def test_quantize_w8a8_keeps_the_head_weight_only():
+def test_quantize_w8a8_quantizes_every_linear_and_a_tied_head():
     class Tiny(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -145,8 +145,8 @@ def test_quantize_w8a8_keeps_the_head_weight_only():
     embedding = torch.randn(32, 4)
     assert quantize_w8a8(model, embedding) == 3
     assert isinstance(model.model[0], W8A8Linear) and isinstance(model.model[1][0], W8A8Linear)
-    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.out_features == 32
-    # the same int8 rows as the decoder's layers make of the same weight
+    assert isinstance(model.lm_head, W8A8Linear) and model.lm_head.out_features == 32
+    # the same int8 rows as weight-only int8 makes of the same weight
     rows = Int8Rows(embedding)
     assert torch.equal(model.lm_head.qweight, rows.qweight) and torch.equal(model.lm_head.scales, rows.scales)
 
@@ -176,7 +176,7 @@ def test_engine_runs_w8a8_close_to_bfloat16():
         if mode == "w8a8":
             model = llm.engine.runner.model
             assert isinstance(model.model.layers[0].mlp.down_proj, W8A8Linear)
-            assert isinstance(model.lm_head, Int8Linear)
+            assert isinstance(model.lm_head, W8A8Linear)
         outputs[mode] = [o.outputs[0] for o in llm.generate(prompts, greedy)]
     # Well-determined continuations survive int8 activations.
     assert outputs["w8a8"][0].text.strip().startswith("Paris")
