@@ -1,11 +1,13 @@
-"""Searches along each row of a ``[rows, vocab]`` tensor in two levels, for the sampler.
+"""Searches along each row of a ``[rows, vocab]`` tensor in levels, for the sampler.
 
 A pass over the whole row that keeps an index or a running sum (``max``,
 ``argmax``, ``cumsum``) costs several times more on CPU than a plain
 reduction (``amax``, ``sum``): over 32 rows of a 150k vocabulary, a few
 milliseconds a decoding step. So a row is reduced in blocks of ``BLOCK``
 columns first, and only the one block that holds the answer is searched
-with the costly operation.
+with the costly operation. A sort costs far more again (tens of
+milliseconds a row): ``mass_threshold`` finds a top-p cutoff from bucket
+sums instead.
 """
 
 from __future__ import annotations
@@ -37,6 +39,45 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     within = _first_above(_block_columns(probs, block, 0.0).cumsum(dim=-1), target)
     # Clamped: rounding must never yield an index past the vocabulary.
     return (block * BLOCK + within)[:, 0].clamp_(max=probs.shape[1] - 1)
+
+
+def mass_threshold(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Each row's largest value ``v`` such that the row's values of at least ``v`` sum to at least ``p``
+    (``[rows, 1]``), as ``[rows, 1]``: the smallest probability top-p keeps, found without a sort.
+
+    ``probs`` holds non-negative values, taken as float32, whose bits order as their values do; ``v``'s
+    bits are found 11, 11, then 9 at a time. At each level the values whose higher bits match those found
+    so far are summed into buckets by their next bits, and the highest bucket at which the mass from the
+    top reaches ``p`` gives the next bits. The first level reads every value; the others only the few left
+    in the bucket found. Where rounding leaves a row's total short of ``p``, the lowest bucket is taken,
+    and every value is at least the result.
+    """
+    probs = probs.float().contiguous()
+    rows = probs.shape[0]
+    bits = probs.view(torch.int32)
+    key = ((bits >> 20) & 2047).long()
+    buckets = torch.zeros(rows, 2048, dtype=probs.dtype, device=probs.device).scatter_add_(1, key, probs)
+    found, above = _highest_reaching(buckets, torch.zeros_like(buckets[:, :1]), p)
+    row, column = (key == found).nonzero(as_tuple=True)
+    bits, probs = bits[row, column], probs[row, column]
+    found = found << 20
+    for shift, width in ((9, 11), (0, 9)):
+        key = ((bits >> shift) & ((1 << width) - 1)).long()
+        buckets = torch.zeros(rows << width, dtype=probs.dtype, device=probs.device)
+        buckets = buckets.scatter_add_(0, (row << width) + key, probs).view(rows, 1 << width)
+        bucket, above = _highest_reaching(buckets, above, p)
+        found = found | (bucket << shift)
+        left = key == bucket[row, 0]
+        row, bits, probs = row[left], bits[left], probs[left]
+    return found.int().view(torch.float32)
+
+
+def _highest_reaching(buckets: torch.Tensor, above: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's highest bucket (``[rows, 1]``) at which ``above`` (the mass above every bucket) plus the mass
+    of the buckets from the top reaches ``p`` (the lowest where none does), and the mass above that bucket."""
+    from_top = buckets.flip(1).cumsum(1).flip(1)  # at each bucket: its mass and the mass of those above it
+    bucket = ((above + from_top) >= p).sum(dim=1, keepdim=True).clamp_(min=1) - 1
+    return bucket, above + from_top.gather(1, bucket) - buckets.gather(1, bucket)
 
 
 def _per_block(x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

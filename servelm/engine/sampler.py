@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from servelm.engine.grammar_matcher import GrammarMatcher, mask_logits
-from servelm.engine.row_blocks import inverse_cdf, row_max
+from servelm.engine.row_blocks import inverse_cdf, mass_threshold, row_max
 from servelm.engine.sampling_params import SamplingParams
 
-# How many of the most likely tokens top-p looks at before sorting a whole row.
+# How many of the most likely tokens top-p looks at before it searches a whole row.
 _TOP_P_CANDIDATES = 1024
 # Dividing by a temperature this small overflows float32, and the
 # distribution is indistinguishable from greedy anyway (vLLM does the same).
@@ -303,15 +303,16 @@ def apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     p = torch.tensor(top_p, device=logits.device)[:, None]
     vocab = probs.shape[1]
-    # A full sort of the vocabulary is slow; the nucleus of a real model's
-    # distribution is nearly always among its top few hundred tokens.
+    # The nucleus of a real model's distribution is nearly always among its
+    # top few hundred tokens, and their running sum is cheap.
     candidates = probs.topk(min(_TOP_P_CANDIDATES, vocab), dim=-1).values
     cutoff, num_kept = _nucleus_cutoff(candidates, p)
-    # A nucleus that fills every candidate may go on beyond them.
+    # A nucleus that fills every candidate may go on beyond them (a flat distribution): the cutoff is then
+    # found from bucket sums over the whole row, 6-15x faster than a sort of it (bench/sampler_top_p.py).
     unsure = (num_kept[:, 0] == candidates.shape[1]) & (candidates.shape[1] < vocab)
     if unsure.any():
         rows = unsure.nonzero()[:, 0]
-        cutoff[rows] = _nucleus_cutoff(probs[rows].sort(dim=-1, descending=True).values, p[rows])[0]
+        cutoff[rows] = mass_threshold(probs[rows], p[rows])
     return logits.masked_fill(probs < cutoff, float("-inf"))
 
 

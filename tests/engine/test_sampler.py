@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from servelm.engine.row_blocks import BLOCK
+from servelm.engine.row_blocks import BLOCK, mass_threshold
 from servelm.engine.sampler import (
     Sampler,
     SamplingState,
@@ -156,6 +156,22 @@ def test_truncation_functions_match_a_plain_reference():
         for r in range(6):
             got = set(torch.isfinite(x[r]).nonzero()[:, 0].tolist())
             assert got == _reference_kept(logits[r], top_k, top_p, min_p), (r, top_k, top_p, min_p)
+
+
+def test_the_top_p_cutoff_found_from_bucket_sums_is_the_one_a_sort_finds():
+    gen = torch.Generator().manual_seed(5)
+    # flat to peaky rows, one with zero probabilities, one whose every value comes twice (ties at the cutoff)
+    logits = torch.randn(6, 5000, generator=gen) * torch.tensor([0.05, 0.3, 1.0, 3.0, 0.3, 1.0])[:, None]
+    logits[4, ::7] = float("-inf")
+    logits[5, :2500] = logits[5, 2500:]
+    probs = logits.softmax(dim=-1)
+    descending = probs.double().sort(dim=-1, descending=True).values
+    mass_before = descending.cumsum(dim=-1) - descending
+    for p in (0.05, 0.5, 0.9, 0.999):
+        kept = (mass_before < p).sum(dim=-1, keepdim=True)
+        assert torch.equal(mass_threshold(probs, torch.full((6, 1), p)), descending.gather(1, kept - 1).float()), p
+    # a p beyond the row's total (rounding) keeps everything
+    assert (mass_threshold(probs, torch.full((6, 1), 1.5)) <= probs.amin(dim=-1, keepdim=True)).all()
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
