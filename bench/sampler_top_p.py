@@ -23,7 +23,7 @@ import time
 import torch
 
 from servelm.engine.row_blocks import mass_threshold
-from servelm.engine.sampler import apply_top_p
+from servelm.engine.sampler import _nucleus_cutoff, apply_top_p
 
 
 def _median_ms(repeats: int, fn, *args) -> float:
@@ -37,9 +37,8 @@ def _median_ms(repeats: int, fn, *args) -> float:
 
 
 def sorted_cutoff(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    descending = probs.sort(dim=-1, descending=True).values
-    kept = (descending.cumsum(dim=-1) - descending < p).sum(dim=-1, keepdim=True).clamp_(min=1)
-    return descending.gather(1, kept - 1)
+    """The cutoff as the sampler found it before ``mass_threshold``: over the whole row, sorted."""
+    return _nucleus_cutoff(probs.sort(dim=-1, descending=True).values, p)[0]
 
 
 def main() -> None:
