@@ -17,23 +17,13 @@ float64 sort, each differs in about 2% of such rows).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+from functools import partial
 
 import torch
+from gemm import _median_ms
 
 from servelm.engine.row_blocks import mass_threshold
 from servelm.engine.sampler import _nucleus_cutoff, apply_top_p
-
-
-def _median_ms(repeats: int, fn, *args) -> float:
-    fn(*args)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def sorted_cutoff(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -60,9 +50,9 @@ def main() -> None:
                 probs = logits.softmax(dim=-1)
                 p = torch.full((rows, 1), args.top_p)
                 differing = (sorted_cutoff(probs, p) != mass_threshold(probs, p)).sum().item()
-                by_sort = _median_ms(args.repeats, sorted_cutoff, probs, p)
-                by_buckets = _median_ms(args.repeats, mass_threshold, probs, p)
-                whole = _median_ms(args.repeats, apply_top_p, logits, [args.top_p] * rows)
+                by_sort = _median_ms(partial(sorted_cutoff, probs, p), args.repeats)
+                by_buckets = _median_ms(partial(mass_threshold, probs, p), args.repeats)
+                whole = _median_ms(partial(apply_top_p, logits, [args.top_p] * rows), args.repeats)
                 print(
                     f"{vocab:7d}{rows:6d}{f'N(0,{scale:g})':>10s}{by_sort:9.2f}{by_buckets:9.2f}"
                     f"{by_sort / by_buckets:7.1f}x{whole:13.2f}{differing:16d}"

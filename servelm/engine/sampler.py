@@ -308,7 +308,7 @@ def apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     candidates = probs.topk(min(_TOP_P_CANDIDATES, vocab), dim=-1).values
     cutoff, num_kept = _nucleus_cutoff(candidates, p)
     # A nucleus that fills every candidate may go on beyond them (a flat distribution): the cutoff is then
-    # found from bucket sums over the whole row, 6-15x faster than a sort of it (bench/sampler_top_p.py).
+    # found from bucket sums over the whole row, 6-20x faster than a sort of it (bench/sampler_top_p.py).
     unsure = (num_kept[:, 0] == candidates.shape[1]) & (candidates.shape[1] < vocab)
     if unsure.any():
         rows = unsure.nonzero()[:, 0]
