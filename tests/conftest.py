@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -15,6 +16,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 MODEL = "smollm2-135m-instruct"
+# The shared engines and the transformers reference run where ``--device auto``
+# puts the engine: the CPU here and in CI, the GPU on a machine with one, so the
+# same tests check the CUDA path there. CPU-only layouts (packing, int8
+# kernels) pin ``device="cpu"`` in their own tests.
+DEVICE = "auto"
 
 
 @pytest.fixture(scope="session")
@@ -38,8 +44,16 @@ def hf_model(model_path):
 
 
 @pytest.fixture(scope="session")
+def hf_reference(hf_model, llm):
+    """The transformers reference on the shared engine's device (a copy, where that is not the CPU)."""
+    model, tok = hf_model
+    device = llm.engine.runner.device
+    return (model if device.type == "cpu" else copy.deepcopy(model).to(device)), tok
+
+
+@pytest.fixture(scope="session")
 def llm():
     """One engine on the bundled model, shared by tests that don't need special limits."""
     from servelm import LLM
 
-    return LLM(MODEL, dtype="float32", device="cpu", kv_cache_memory=256 << 20)
+    return LLM(MODEL, dtype="float32", device=DEVICE, kv_cache_memory=256 << 20)

@@ -25,20 +25,20 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)
 
 
-def _hf_greedy(hf_model, prompt: str, n: int) -> list[int]:
-    model, tok = hf_model
-    ids = tok(prompt, return_tensors="pt").input_ids
+def _hf_greedy(hf_reference, prompt: str, n: int) -> list[int]:
+    model, tok = hf_reference
+    ids = tok(prompt, return_tensors="pt").input_ids.to(model.device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
     return out[0, ids.shape[1] :].tolist()
 
 
-def test_greedy_matches_transformers(llm, hf_model):
+def test_greedy_matches_transformers(llm, hf_reference):
     outputs = llm.generate(PROMPTS, GREEDY)
     for prompt, out in zip(PROMPTS, outputs):
-        expected = _hf_greedy(hf_model, prompt, 32)
+        expected = _hf_greedy(hf_reference, prompt, 32)
         assert out.outputs[0].token_ids == expected, prompt
-        assert out.outputs[0].text == hf_model[1].decode(expected, skip_special_tokens=True)
+        assert out.outputs[0].text == hf_reference[1].decode(expected, skip_special_tokens=True)
         assert out.outputs[0].finish_reason == "length"
 
 

@@ -272,7 +272,10 @@ def _seeded_run(seed: int, steps: int, neighbours: int, position: int, device="c
     tokens = []
     for _ in range(steps):
         target_logits = torch.randn(1, vocab, generator=logits_gen)
-        batch = [state(others[i % len(others)], output=[1, 2], seed=(7 if i == 1 else None)) for i in range(neighbours)]
+        batch = [
+            state(others[i % len(others)], output=[1, 2], seed=(7 if i == 1 else None), device=device)
+            for i in range(neighbours)
+        ]
         batch.insert(position, target)
         logits = torch.randn(len(batch), vocab) * 6
         logits[position] = target_logits[0]

@@ -15,7 +15,7 @@ from servelm import LLM, SamplingParams
 pytestmark = pytest.mark.model
 
 MODEL = "smollm2-135m-instruct"
-COMMON = dict(dtype="float32", device="cpu", kv_cache_memory=160 << 20)
+COMMON = dict(dtype="float32", device="auto", kv_cache_memory=160 << 20)  # the GPU where there is one
 METHODS = {
     "ngram": {"speculative_method": "ngram"},
     "draft": {"speculative_method": "draft", "speculative_model": MODEL},
