@@ -11,6 +11,7 @@ that a change in the machine's load hits both), and the ratio is printed;
 
     .venv/bin/python bench/offline.py --num-prompts 64 --input-len 128 --output-len 128
     .venv/bin/python bench/offline.py --dtype bfloat16 --against w8a8 --no-hf --no-prefix-caching --repeats 5
+    python bench/offline.py --device cuda --num-prompts 256 --hf-single 8   # on a GPU, HF on it too
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def _interleaved_rates(fns: list, tokens: int, repeats: int) -> list[float]:
     return [statistics.median(r) for r in rates]
 
 
+def _where(device: torch.device, cuda_graphs: bool) -> str:
+    if device.type == "cuda":
+        return f"device {torch.cuda.get_device_name(device)}, CUDA graphs {'on' if cuda_graphs else 'off'}"
+    return f"cpu threads={torch.get_num_threads()}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -62,6 +69,13 @@ def main() -> None:
         help="float32, bfloat16, float16 or auto (servelm's choice for this CPU; HF runs the same)",
     )
     ap.add_argument("--hf-dtype", default=None, help="dtype of the HF baseline (default: --dtype's)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or auto: servelm's and the HF baseline's")
+    ap.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="servelm replays decoding steps as CUDA graphs on CUDA (default: %(default)s)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="servelm's (default: %(default)s)")
@@ -80,7 +94,8 @@ def main() -> None:
         return LLM(
             args.model,
             dtype=args.dtype,
-            device="cpu",
+            device=args.device,
+            cuda_graphs=args.cuda_graphs,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory=2 << 30,
@@ -90,6 +105,7 @@ def main() -> None:
 
     llm = engine(args.quantization)
     dtype = llm.engine.runner.dtype  # what --dtype (auto included) resolved to
+    device = llm.engine.runner.device
     vocab = llm.engine.runner.model_config.vocab_size
     prompts = _prompts(vocab, args.num_prompts, args.input_len, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -104,16 +120,16 @@ def main() -> None:
     from servelm.engine.device import resolve_dtype
     from servelm.models.registry import resolve_model_path
 
-    hf_dtype = resolve_dtype(args.hf_dtype, torch.device("cpu")) if args.hf_dtype else dtype
+    hf_dtype = resolve_dtype(args.hf_dtype, device) if args.hf_dtype else dtype
     path = resolve_model_path(args.model)
     if path.suffix == ".gguf":
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=hf_dtype)
     else:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype)
-    hf.eval()
+    hf.to(device).eval()
 
     def hf_generate(batch: list[list[int]]) -> None:
-        ids = torch.tensor(batch)
+        ids = torch.tensor(batch, device=device)
         with torch.no_grad():
             hf.generate(
                 ids,
@@ -122,7 +138,7 @@ def main() -> None:
                 min_new_tokens=args.output_len,
                 do_sample=False,
                 pad_token_id=0,
-            )
+            ).tolist()  # waits for the GPU, where there is one
 
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     servelm_rate = _median_rate(lambda: llm.generate(prompts, params), n_out, args.repeats)
@@ -134,8 +150,7 @@ def main() -> None:
     hf_batched = _median_rate(lambda: hf_generate(prompts), n_out, args.repeats)
 
     print(
-        f"model {args.model}, servelm {dtype} (quantization {args.quantization}), HF {hf_dtype}, "
-        f"cpu threads={torch.get_num_threads()}"
+        f"model {args.model}, servelm {dtype} (quantization {args.quantization}), HF {hf_dtype}, {_where(device, args.cuda_graphs)}"
     )
     print(
         f"{args.num_prompts} requests x {args.input_len} prompt + {args.output_len} output tokens, "
@@ -166,7 +181,7 @@ def _compare(llm, other, args, prompts, params) -> None:
     print(
         f"model {args.model}, {llm.engine.runner.dtype}, {args.num_prompts} requests x {args.input_len} prompt + "
         f"{args.output_len} output tokens, median of {args.repeats} alternating runs, "
-        f"cpu threads={torch.get_num_threads()}"
+        f"{_where(llm.engine.runner.device, args.cuda_graphs)}"
     )
     print(f"{'output tok/s':>40s}{'all batched':>14s}{'batch 1':>10s}")
     for name, b, o in ((args.quantization, batched[0], one[0]), (args.against, batched[1], one[1])):

@@ -79,6 +79,15 @@ class EngineSettings(BaseModel):
         group="engine",
     )
 
+    cuda_graphs: bool = setting(
+        True,
+        "on CUDA, record decoding steps as CUDA graphs (one per batch and context size, the first time each is "
+        "needed) and replay them: one launch a step instead of one per kernel; --no-cuda-graphs runs every step "
+        "eagerly, like vLLM's --enforce-eager",
+        group="engine",
+        flag="--cuda-graphs",
+    )
+
     speculative_method: Literal["none", "ngram", "draft"] = setting(
         "none",
         "none; ngram: prompt lookup, proposing the tokens that followed the last earlier occurrence of the "
@@ -149,6 +158,7 @@ class EngineSettings(BaseModel):
             seed=self.seed,
             quantization=self.quantization,
             cpu_matmul=self.cpu_matmul,
+            cuda_graphs=self.cuda_graphs,
             speculative_method=self.speculative_method,
             speculative_model=self.speculative_model,
             num_speculative_tokens=self.num_speculative_tokens,

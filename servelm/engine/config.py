@@ -29,6 +29,7 @@ class EngineConfig:
     seed: int = 0
     quantization: str = "none"  # one of QUANTIZATIONS
     cpu_matmul: str = "auto"  # auto, onednn or pairs: decoding's small bf16 matmuls on CPU, see models/packed.py
+    cuda_graphs: bool = True  # on CUDA, replay decoding steps as CUDA graphs (engine/cuda_graphs.py)
     # Speculative decoding (servelm/engine/spec_decode): none, ngram (prompt lookup) or draft (a smaller
     # model with the same tokenizer, speculative_model). Each step proposes up to num_speculative_tokens
     # tokens per decoding sequence, only while at most speculative_max_batch_size sequences run.

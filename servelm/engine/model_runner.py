@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from servelm.engine.config import EngineConfig
+from servelm.engine.cuda_graphs import DecodeGraphs
 from servelm.engine.device import resolve_device, resolve_dtype
-from servelm.engine.flat_batch import Chunk, flatten
+from servelm.engine.flat_batch import Chunk, FlatBatch, flatten
 from servelm.engine.kv_cache import allocate_kv_caches, kv_block_bytes
 from servelm.engine.sample_isolation import sample_isolated
 from servelm.engine.sampler import Sampler, SamplingState
@@ -96,7 +97,14 @@ class ModelRunner:
                 self.tokenizer,
             )
         self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.dtype, self.device)
+        graphs = self.device.type == "cuda" and config.cuda_graphs
+        # With CUDA graphs, one block more than the block manager hands out: the padding rows' scratch block.
+        self.kv_caches = allocate_kv_caches(mc, self.num_blocks + graphs, self.block_size, self.dtype, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, config.max_num_seqs, self.max_model_len, self.block_size, self.num_blocks
+            )
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, self.block_size)
         self.sampler = Sampler()
@@ -154,7 +162,9 @@ class ModelRunner:
             tokens = [d.seq.token_ids[d.start], *d.proposal]
             chunks.extend(Chunk([t], d.start + j, d.seq.block_table) for j, t in enumerate(tokens))
         batch = flatten(chunks, len(out.prefills), self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        hidden = self._replayed(batch) if not out.prefills and len(chunks) == len(out.decodes) else None
+        if hidden is None:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
         # The rows whose logits are needed: each plain sampling chunk's last, and a speculating decode's
         # last token and proposed ones (k + 1 rows), all through the LM head at once.
@@ -194,6 +204,18 @@ class ModelRunner:
                     hidden, row0, sch.start, sch.num_new_tokens, seq, want_prompt_logprobs[seq.seq_id]
                 )
         return result
+
+    def _replayed(self, batch: FlatBatch) -> torch.Tensor | None:
+        """A plain decoding step's hidden states from a CUDA graph, or None: no graphs, or none fits it."""
+        if self.graphs is None:
+            return None
+        try:
+            return self.graphs.run(batch)
+        except RuntimeError:
+            # A GPU or driver that cannot record one: decode eagerly from now on, as with --no-cuda-graphs.
+            logger.exception("recording a CUDA graph failed; decoding without CUDA graphs from now on")
+            self.graphs = None
+            return None
 
     def _sample(
         self, logits: torch.Tensor, plain: list[ScheduledSeq], sampling: dict[int, SamplingState], result: StepResult

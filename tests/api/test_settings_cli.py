@@ -103,6 +103,7 @@ def test_engine_flags_build_the_engine_config(tmp_path):
             "--no-prefix-caching",
             "--seed",
             "7",
+            "--no-cuda-graphs",
         ]
     )
     assert s.engine_config() == EngineConfig(
@@ -115,6 +116,7 @@ def test_engine_flags_build_the_engine_config(tmp_path):
         kv_cache_memory=0.25,
         enable_prefix_caching=False,
         seed=7,
+        cuda_graphs=False,
     )
 
 

@@ -1,0 +1,133 @@
+"""Decode steps replayed as CUDA graphs.
+
+On a GPU, a decoding step of a small model is bound by the CPU launching
+its kernels (some fifty a layer), not by the GPU running them: on an H100
+the eager engine decoded one sequence slower than transformers' ``generate``
+(docs/BENCHMARKS.md). A CUDA graph records a step's kernels once and
+replays them all with one launch.
+
+A replay runs on the shapes and addresses it was recorded with, so a step
+is padded up to a batch bucket (a power of two, up to ``max_num_seqs``) and
+its attention to a context bucket (a power of two of KV blocks, up to the
+longest context); its inputs are copied into buffers that the graphs were
+recorded on; and each (batch, context) bucket is recorded the first time a
+step needs it. The padding rows write their keys and values into a scratch
+block that no sequence owns and attend to it alone; every op is row-wise
+or per sequence, so they never reach a real row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from servelm.engine.flat_batch import FlatBatch
+from servelm.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class DecodeGraphs:
+    """Runs decode-only steps of up to ``max_batch`` sequences through recorded CUDA graphs.
+
+    ``kv_caches`` must hold one block more than the block manager hands out:
+    block ``scratch_block`` takes the padding rows' keys and values.
+    ``record=False`` runs the same padded steps eagerly, one model call on
+    the buffers per step, so that machines without a GPU test the padding.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+        scratch_block: int,
+        record: bool = True,
+    ):
+        device = kv_caches[0].device
+        self.model, self.kv_caches, self.block_size, self.record = model, kv_caches, block_size, record
+        self.max_batch = max_batch
+        self.max_blocks = -(-max_model_len // block_size)
+        self.scratch_slot = scratch_block * block_size
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slots = torch.full((max_batch,), self.scratch_slot, dtype=torch.long, device=device)
+        self.lens = torch.ones(max_batch, dtype=torch.long, device=device)
+        self.tables = torch.full((max_batch, self.max_blocks), scratch_block, dtype=torch.long, device=device)
+        self.steps: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if record else None
+
+    def bucket(self, num_seqs: int, max_context: int) -> tuple[int, int] | None:
+        """The (batch, KV blocks) bucket of a decode step, or None where it is larger than any."""
+        if num_seqs > self.max_batch:
+            return None
+        blocks = -(-max_context // self.block_size)
+        return min(_next_power_of_two(num_seqs), self.max_batch), min(_next_power_of_two(blocks), self.max_blocks)
+
+    def run(self, batch: FlatBatch) -> torch.Tensor | None:
+        """The hidden states of a decode-only ``batch``, or None where no bucket fits it (run it eagerly)."""
+        meta = batch.meta
+        n = len(meta.context_lens)
+        key = self.bucket(n, max(meta.context_lens))
+        if key is None or meta.decode_lens is None:
+            return None
+        size = key[0]
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        self.lens[:n].copy_(meta.decode_lens)
+        self.tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        # Rows past n may hold an earlier step's real slots and lengths: a padding row writes to the
+        # scratch block and reads one token (its stale table only names blocks it reads, never writes).
+        self.slots[n:size].fill_(self.scratch_slot)
+        self.lens[n:size].fill_(1)
+        step = self.steps.get(key)
+        if step is None:
+            step = self.steps[key] = self._recorded(*key)
+        return step()[:n]
+
+    def _recorded(self, size: int, blocks: int) -> Callable[[], torch.Tensor]:
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:size],
+            query_lens=[1] * size,
+            # Attention reads `blocks` whole blocks of every row, masked past each row's own length.
+            context_lens=[blocks * self.block_size] * size,
+            block_tables=self.tables[:size, :blocks],
+            num_prefills=0,
+            num_prefill_tokens=0,
+            decode_lens=self.lens[:size],
+        )
+
+        def forward() -> torch.Tensor:
+            hidden: torch.Tensor = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+            return hidden
+
+        if not self.record:
+            return forward
+        # Warm-up on a side stream first (cuBLAS and the attention kernels set themselves up outside
+        # a capture). The buffers hold this step's inputs, so these runs write the K/V the replay will.
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = forward()
+        logger.info("recorded a CUDA graph for decoding %d sequences over %d KV blocks", size, blocks)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay

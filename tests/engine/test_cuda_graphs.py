@@ -1,0 +1,97 @@
+"""Decoding steps through CUDA graphs: the padded, bucketed steps give the eager engine's tokens.
+
+On a GPU (``device="auto"`` finds it) the graphs are recorded and replayed.
+A CPU records no CUDA graphs, so there the same buffers, padding and
+buckets run eagerly (``record=False``): everything but the recording itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from servelm import LLM, SamplingParams, kernels
+from servelm.engine.cuda_graphs import DecodeGraphs
+from servelm.engine.device import resolve_device
+from servelm.engine.kv_cache import allocate_kv_caches
+
+pytestmark = pytest.mark.model
+
+MODEL = "smollm2-135m-instruct"
+ON_GPU = resolve_device("auto").type == "cuda"
+
+
+def _engine(graphs: bool) -> LLM:
+    llm = LLM(MODEL, dtype="float32", device="auto", cuda_graphs=graphs, kv_cache_memory=64 << 20, max_num_seqs=8)
+    runner = llm.engine.runner
+    if graphs and not ON_GPU:
+        # What the runner sets up on CUDA: a scratch block past the block manager's, and the graphs' buffers.
+        runner.kv_caches = allocate_kv_caches(
+            runner.model_config, runner.num_blocks + 1, runner.block_size, runner.dtype, runner.device
+        )
+        runner.graphs = DecodeGraphs(
+            runner.model, runner.kv_caches, 8, runner.max_model_len, runner.block_size, runner.num_blocks, record=False
+        )
+    assert (runner.graphs is not None) == graphs
+    return llm
+
+
+@pytest.fixture(params=["native", "torch"] if not ON_GPU else ["cuda"])
+def ops(request, monkeypatch):
+    """On CPU, both attention paths: the native kernels' and PyTorch's (the one CUDA takes)."""
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
+    return request.param
+
+
+def _workload(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Seven prompts of mixed lengths whose requests end one after another, so that the batch shrinks
+    through several buckets and padding rows keep taking over rows that held real sequences."""
+    base = llm.tokenizer.encode(" ".join(f"entry {i} reads {i * 5 % 11}." for i in range(60)))
+    prompts = [base[: 4 + i * 29] for i in range(7)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(7)]
+    return prompts, params
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.usefixtures("ops")
+def test_padded_decode_steps_give_the_eager_engines_tokens():
+    eager, graphed = _engine(False), _engine(True)
+    prompts, params = _workload(eager)
+    expected = _tokens(eager.generate(prompts, params))
+    assert _tokens(graphed.generate(prompts, params)) == expected
+    # The batch went through several batch buckets, padded where it fell between them.
+    assert len({size for size, _blocks in graphed.engine.runner.graphs.steps}) >= 3
+    # The finished requests' blocks stay in the prefix cache; had a padding row written into one,
+    # a request that reuses it would go astray.
+    again = graphed.generate(prompts[-2:], params[-2:])
+    assert [o.num_cached_tokens > 0 for o in again] == [True, True]
+    assert _tokens(again) == expected[-2:]
+
+
+def test_buckets_are_powers_of_two_up_to_the_limits():
+    graphs = _engine(True).engine.runner.graphs
+    block = graphs.block_size
+    assert graphs.bucket(1, 1) == (1, 1)
+    assert graphs.bucket(3, 2 * block + 1) == (4, 4)
+    assert graphs.bucket(8, 4 * block) == (8, 4)
+    assert graphs.bucket(5, 10**9) == (8, graphs.max_blocks)  # never more blocks than the longest context has
+    assert graphs.bucket(9, 1) is None  # more sequences than max_num_seqs: run eagerly
+
+
+def test_a_graph_that_cannot_be_recorded_leaves_the_engine_decoding_eagerly(monkeypatch, caplog):
+    eager, graphed = _engine(False), _engine(True)
+    prompts, params = _workload(eager)
+
+    def refuse(size, blocks):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphed.engine.runner.graphs, "_recorded", refuse)
+    with caplog.at_level(logging.ERROR, logger="servelm.engine.model_runner"):
+        assert _tokens(graphed.generate(prompts, params)) == _tokens(eager.generate(prompts, params))
+    assert graphed.engine.runner.graphs is None
+    assert "decoding without CUDA graphs" in caplog.text
