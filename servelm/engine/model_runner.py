@@ -162,7 +162,8 @@ class ModelRunner:
             tokens = [d.seq.token_ids[d.start], *d.proposal]
             chunks.extend(Chunk([t], d.start + j, d.seq.block_table) for j, t in enumerate(tokens))
         batch = flatten(chunks, len(out.prefills), self.block_size, self.device)
-        hidden = self._replayed(batch) if not out.prefills and len(chunks) == len(out.decodes) else None
+        plain_decoding = not out.prefills and not any(d.proposal for d in out.decodes)
+        hidden = self._replayed(batch) if plain_decoding else None
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
