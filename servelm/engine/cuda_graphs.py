@@ -115,15 +115,17 @@ class DecodeGraphs:
             return forward
         # Warm-up on a side stream first (cuBLAS and the attention kernels set themselves up outside
         # a capture). The buffers hold this step's inputs, so these runs write the K/V the replay will.
-        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = forward()
+        # On the engine's GPU, which need not be the current one (cuda:1).
+        with torch.cuda.device(self.input_ids.device):
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = forward()
         logger.info("recorded a CUDA graph for decoding %d sequences over %d KV blocks", size, blocks)
 
         def replay() -> torch.Tensor:
