@@ -71,7 +71,7 @@ def test_quantize_int8_replaces_every_linear_and_adds_a_tied_head():
 def test_engine_runs_int8_close_to_float32(llm):
     from servelm import LLM, SamplingParams
 
-    int8 = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_memory=64 << 20, quantization="int8")
+    int8 = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", kv_cache_memory=64 << 20, quantization="int8")
     runner = int8.engine.runner
     assert isinstance(runner.model.lm_head, Int8Linear)
     assert isinstance(runner.model.model.layers[0].mlp.down_proj, Int8Linear)
@@ -97,7 +97,7 @@ def test_int8_weights_move_to_huge_pages_only_where_the_copy_fits(monkeypatch, f
     real_copies = weight_layout.huge_page_copies
     monkeypatch.setattr(weight_layout, "free_memory_bytes", lambda device: free_mib << 20)
     monkeypatch.setattr(weight_layout, "huge_page_copies", lambda ts: moved.extend(ts) or real_copies(ts))
-    runner = LLM("smollm2-135m-instruct", kv_cache_memory=64 << 20, quantization="int8").engine.runner
+    runner = LLM("smollm2-135m-instruct", device="cpu", kv_cache_memory=64 << 20, quantization="int8").engine.runner
     qweights = [m.qweight for m in runner.model.modules() if isinstance(m, Int8Linear)]
     # ~135 MB of int8 weights: their second copy does not fit in half of 256 MiB, and does in 4 GiB.
     assert len(moved) == (len(qweights) if free_mib == 4096 else 0)
