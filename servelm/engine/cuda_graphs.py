@@ -68,9 +68,9 @@ class DecodeGraphs:
 
     def bucket(self, num_seqs: int, max_context: int) -> tuple[int, int] | None:
         """The (batch, KV blocks) bucket of a decode step, or None where it is larger than any."""
-        if num_seqs > self.max_batch:
-            return None
         blocks = -(-max_context // self.block_size)
+        if num_seqs > self.max_batch or blocks > self.max_blocks:
+            return None
         return min(_next_power_of_two(num_seqs), self.max_batch), min(_next_power_of_two(blocks), self.max_blocks)
 
     def run(self, batch: FlatBatch) -> torch.Tensor | None:
@@ -78,7 +78,8 @@ class DecodeGraphs:
         meta = batch.meta
         n = len(meta.context_lens)
         key = self.bucket(n, max(meta.context_lens))
-        if key is None or meta.decode_lens is None:
+        # A table may hold blocks past its tokens (a speculative step's lookahead): wider than the buffer, eager.
+        if key is None or meta.decode_lens is None or meta.block_tables.shape[1] > self.max_blocks:
             return None
         size = key[0]
         self.input_ids[:n].copy_(batch.input_ids)

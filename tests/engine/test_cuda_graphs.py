@@ -79,8 +79,10 @@ def test_buckets_are_powers_of_two_up_to_the_limits():
     assert graphs.bucket(1, 1) == (1, 1)
     assert graphs.bucket(3, 2 * block + 1) == (4, 4)
     assert graphs.bucket(8, 4 * block) == (8, 4)
-    assert graphs.bucket(5, 10**9) == (8, graphs.max_blocks)  # never more blocks than the longest context has
-    assert graphs.bucket(9, 1) is None  # more sequences than max_num_seqs: run eagerly
+    # Never more blocks than the longest context has, nor more sequences than max_num_seqs: past them, eager.
+    assert graphs.bucket(5, graphs.max_blocks * block) == (8, graphs.max_blocks)
+    assert graphs.bucket(5, graphs.max_blocks * block + 1) is None
+    assert graphs.bucket(9, 1) is None
 
 
 def test_a_graph_that_cannot_be_recorded_leaves_the_engine_decoding_eagerly(monkeypatch, caplog):
