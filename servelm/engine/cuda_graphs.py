@@ -19,6 +19,7 @@ or per sequence, so they never reach a real row.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -117,6 +118,7 @@ class DecodeGraphs:
         # Warm-up on a side stream first (cuBLAS and the attention kernels set themselves up outside
         # a capture). The buffers hold this step's inputs, so these runs write the K/V the replay will.
         # On the engine's GPU, which need not be the current one (cuda:1).
+        start = time.perf_counter()
         with torch.cuda.device(self.input_ids.device):
             stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             stream.wait_stream(torch.cuda.current_stream())
@@ -127,7 +129,14 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = forward()
-        logger.info("recorded a CUDA graph for decoding %d sequences over %d KV blocks", size, blocks)
+        # Every step waits while a bucket is recorded: the log says how long, and how many so far.
+        logger.info(
+            "recorded a CUDA graph for decoding %d sequences over %d KV blocks in %.0f ms (%d recorded)",
+            size,
+            blocks,
+            (time.perf_counter() - start) * 1e3,
+            len(self.steps) + 1,
+        )
 
         def replay() -> torch.Tensor:
             graph.replay()
