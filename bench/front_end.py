@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+from serving import bench_serve, started
 
 MODEL = "instant"
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -115,58 +110,26 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,32", help="comma-separated load levels")
     ap.add_argument("--num-prompts", type=int, default=64, help="requests per level")
-    ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)  # the subprocess side
     args = ap.parse_args()
     if args.serve_port is not None:
         sys.exit(serve(args.serve_port))
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, __file__, "--serve-port", str(port)])
-    try:
-        while True:
-            if server.poll() is not None:
-                sys.exit(f"the server exited with status {server.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        print(f"front end over an instant engine, {args.input_len}-token prompts, {args.output_len} output tokens")
+    with started(lambda port: [sys.executable, __file__, "--serve-port", str(port)]) as (url, server):
+        print(f"front end over an instant engine, 128-token prompts, {args.output_len} output tokens")
         print(f"{'level':>6s}{'out tok/s':>11s}{'server CPU ms/token':>21s}{'server cores busy':>19s}")
         for level in args.concurrency.split(","):
-            with tempfile.TemporaryDirectory() as tmp:
-                result = Path(tmp) / "result.json"
-                cpu0 = _cpu_seconds(server.pid)
-                subprocess.run(
-                    [sys.executable, "-m", "servelm", "bench", "serve", "--base-url", url, "--model", MODEL,
-                     "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-                     "--output-len", str(args.output_len), "--concurrency", level, "--warmup", "2",
-                     "--no-progress", "--result-json", str(result)],
-                    check=True,
-                    stdout=subprocess.DEVNULL,
-                )  # fmt: skip
-                cpu = _cpu_seconds(server.pid) - cpu0
-                level_result = json.loads(result.read_text())["levels"][0]
-            tokens = level_result["total_output_tokens"]
-            seconds = level_result["duration_s"]
-            # The warm-up's CPU is in `cpu` too: 2 requests against num_prompts, a small overcount.
+            cpu0 = _cpu_seconds(server.pid)
+            summary = bench_serve(url, int(level), args.num_prompts, args.output_len, "completions", ("--model", MODEL))
+            cpu = _cpu_seconds(server.pid) - cpu0
+            tokens, seconds = summary["total_output_tokens"], summary["duration_s"]
+            # The warm-up's CPU (up to 4 requests) is in `cpu` too: a small overcount against num_prompts.
             print(f"{'c=' + level:>6s}{tokens / seconds:11.1f}{cpu / tokens * 1e3:21.3f}{cpu / seconds:19.2f}")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -32,32 +33,43 @@ def free_port() -> int:
 @contextlib.contextmanager
 def server(args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 600.0):
     """A ``servelm serve`` on a free port; yields its URL; stops it (SIGTERM, then SIGKILL) by PID."""
-    port = free_port()
+
     # dtype pinned: `auto` times bfloat16 against float32 at start-up, and on a
     # loaded machine two servers could pick differently.
-    cmd = [
-        sys.executable,
-        "-m",
-        "servelm",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--embedding-model",
-        "none",
-        "--log-level",
-        "warning",
-        "--dtype",
-        DTYPE,
-        *args,
-    ]
+    def command(port: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "servelm",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--embedding-model",
+            "none",
+            "--log-level",
+            "warning",
+            "--dtype",
+            DTYPE,
+            *args,
+        ]
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
     env.pop("RAY_ADDRESS", None)
     env.setdefault("RAY_AUTH_MODE", "disabled")
     env.update(env_extra or {})
+    with started(command, env, timeout) as (url, _proc):
+        yield url
+
+
+@contextlib.contextmanager
+def started(command: Callable[[int], list[str]], env: dict[str, str] | None = None, timeout: float = 600.0):
+    """``command(port)`` run on a free port until its ``/health`` is 200; yields (URL, process); stops it
+    (SIGTERM, then SIGKILL) by PID."""
+    port = free_port()
     with tempfile.NamedTemporaryFile(prefix="servelm-bench-", suffix=".log") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(command(port), stdout=log, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + timeout
@@ -70,7 +82,7 @@ def server(args: list[str], env_extra: dict[str, str] | None = None, timeout: fl
                 if time.monotonic() > deadline:
                     raise RuntimeError("server not ready in time")
                 time.sleep(1)
-            yield url
+            yield url, proc
         finally:
             proc.terminate()
             try:
