@@ -16,10 +16,12 @@ def test_the_front_end_bench_reports_throughput_and_cpu_per_token_at_each_level(
             str(BENCH / "front_end.py"),
             "--concurrency",
             "1,4",
+            # 8192 tokens a level: ~0.3 s of the server's CPU here, well above /proc's 10 ms resolution
+            # (a level of 128 tokens can read 0 ticks).
             "--num-prompts",
-            "8",
+            "64",
             "--output-len",
-            "16",
+            "128",
         ],
         capture_output=True,
         text=True,
