@@ -23,10 +23,13 @@ def open_chat(page: Page, server: ServerProcess) -> None:
     expect(page.locator("#model option")).to_have_count(1, timeout=TIMEOUT_MS)
 
 
-def set_max_tokens(page: Page, n: int) -> None:
+def set_max_tokens(page: Page, n: int, temperature: float | None = None) -> None:
     page.get_by_text("Settings").click()
     page.get_by_label("max_tokens").fill(str(n))
     page.get_by_label("max_tokens").dispatch_event("change")
+    if temperature is not None:
+        page.get_by_label("Temperature").fill(str(temperature))
+        page.get_by_label("Temperature").dispatch_event("change")
 
 
 def reply_text(page: Page) -> str:
@@ -65,7 +68,8 @@ def test_reply_streams_stop_frees_the_request_and_reload_keeps_the_conversation(
 
 def test_a_finished_reply_shows_ttft_speed_and_token_count_and_can_be_regenerated(page: Page, server: ServerProcess):
     open_chat(page, server)
-    set_max_tokens(page, 6)
+    # Greedy, so neither the reply nor its regeneration can sample the end-of-text token before 6 tokens.
+    set_max_tokens(page, 6, temperature=0)
     page.get_by_label("Message").fill("Say hello.")
     page.get_by_label("Message").press("Enter")  # Enter sends
     stats = page.locator(".msg.assistant .stats")
@@ -78,7 +82,7 @@ def test_a_finished_reply_shows_ttft_speed_and_token_count_and_can_be_regenerate
     page.get_by_role("button", name="Regenerate").click()
     expect(page.get_by_role("button", name="Stop")).to_be_enabled()
     expect(stats).to_have_count(1)
-    expect(stats).to_have_text(re.compile(r"6 tokens"), timeout=TIMEOUT_MS)
+    expect(stats).to_have_text(re.compile(r"6 tokens · cut at max_tokens"), timeout=TIMEOUT_MS)
     assert page.locator(".msg.user").count() == 1
 
     page.get_by_role("button", name="New chat").click()
