@@ -49,6 +49,7 @@ def test_the_page_asks_for_the_key_keeps_it_and_sends_it(page: Page, server: Ser
 
     page.get_by_text("Settings").click()
     page.get_by_label("max_tokens").fill("3")
+    page.get_by_label("Temperature").fill("0")  # greedy: no sampled end-of-text before 3 tokens
     page.get_by_label("Message").fill("Hi")
     page.get_by_role("button", name="Send").click()
     expect(page.locator(".msg.assistant .stats")).to_contain_text("3 tokens", timeout=TIMEOUT_MS)
