@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
@@ -24,6 +23,7 @@ from servelm.engine.outputs import EmbeddingOutput, EngineStats, RequestOutput
 from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
 from servelm.engine.tool_parsers import detect_format
 from servelm.engine.vocabulary import vocabulary_error
+from servelm.platform.threads import in_passing_thread
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,8 @@ class LocalConnector:
         from servelm.engine.embedding_engine import InputTooLongError
 
         try:
-            return await asyncio.to_thread(run)
+            # Not in asyncio's worker threads, which live on: see servelm/platform/threads.py.
+            return await in_passing_thread(run, name="servelm-embed")
         except InputTooLongError as exc:
             raise ContextLengthExceeded(str(exc), param="input") from None
         except ValueError as exc:

@@ -33,6 +33,7 @@ from servelm.connectors.base import ConnectorError
 from servelm.connectors.local import LocalConnector
 from servelm.engine.config import EngineConfig
 from servelm.engine.sampling_params import SamplingParams
+from servelm.platform.threads import run_in_passing_thread
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ class EngineReplica:
             EngineConfig(**spec["engine"]),
             served_model_name=spec.get("served_model_name"),
         )
-        self.connector.load()
+        # Not on Serve's thread, which lives on: see servelm/platform/threads.py.
+        run_in_passing_thread(self.connector.load, name="servelm-load")
         self.started = time.time()
         self._stats_name: str | None = spec.get("stats_board")
         self._stop = threading.Event()
