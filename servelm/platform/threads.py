@@ -18,7 +18,7 @@ tens of microseconds, less than any such work.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -26,23 +26,28 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def run_in_passing_thread(fn: Callable[[], T], name: str = "servelm-passing") -> T:
-    """``fn()`` in a new thread, waited for; returns its result or raises what it raised."""
-    box: list = []
+def _start(fn: Callable[[], T], name: str) -> tuple[threading.Thread, concurrent.futures.Future[T]]:
+    """A new thread running ``fn()``, and the future of its result."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
         try:
-            box.append((True, fn()))
+            future.set_result(fn())
         except BaseException as exc:  # handed to the caller
-            box.append((False, exc))
+            future.set_exception(exc)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
+    return thread, future
+
+
+def run_in_passing_thread(fn: Callable[[], T], name: str = "servelm-passing") -> T:
+    """``fn()`` in a new thread, waited for until it has ended; returns its result or raises what it raised."""
+    thread, future = _start(fn, name)
     thread.join()
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
+    return future.result()
 
 
 async def in_passing_thread(fn: Callable[[], T], name: str = "servelm-passing") -> T:
@@ -51,24 +56,5 @@ async def in_passing_thread(fn: Callable[[], T], name: str = "servelm-passing") 
     Cancelling the caller does not stop ``fn`` (no thread can be stopped);
     its result is then dropped, as with :func:`asyncio.to_thread`.
     """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def settle(ok: bool, value) -> None:
-        if done.cancelled():
-            return
-        if ok:
-            done.set_result(value)
-        else:
-            done.set_exception(value)
-
-    def run() -> None:
-        try:
-            result = (True, fn())
-        except BaseException as exc:  # handed to the caller
-            result = (False, exc)
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
-            loop.call_soon_threadsafe(settle, *result)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return await done
+    _thread, future = _start(fn, name)
+    return await asyncio.wrap_future(future)
