@@ -12,7 +12,7 @@ from starlette.responses import Response
 from servelm.api.access_log import response_id
 from servelm.api.errors import APIError, context_length_exceeded
 from servelm.api.generation_run import ChoiceDelta, ChoiceResult, GenerationRun
-from servelm.api.logprobs import legacy_logprobs
+from servelm.api.logprobs import TextOffsets, legacy_logprobs
 from servelm.api.protocol import CompletionRequest
 from servelm.api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from servelm.api.serving_base import check_supported, sampling_params
@@ -37,7 +37,7 @@ class CompletionFormatter:
     logprobs: bool
     echo_texts: list[str] | None  # per prompt, when echo
     first_token_texts: list[str]  # per prompt: text of the first prompt token (echo + logprobs)
-    _offsets: dict[int, int] = field(default_factory=dict)  # streaming: next text_offset per choice
+    _offsets: dict[int, TextOffsets] = field(default_factory=dict)  # streaming: the text offsets of each choice
 
     def _piece(
         self,
@@ -46,7 +46,7 @@ class CompletionFormatter:
         text: str,
         entries: list[PositionLogprobs] | None,
         first: bool,
-        offset: int,
+        offsets: TextOffsets,
     ) -> tuple[str, CompletionLogprobs | None]:
         lp_entries: list[PositionLogprobs | None] = []
         if first and self.echo_texts is not None:
@@ -57,7 +57,7 @@ class CompletionFormatter:
             return text, None
         lp_entries.extend(entries or [])
         first_text = self.first_token_texts[prompt_index] if self.first_token_texts else ""
-        return text, legacy_logprobs(lp_entries, offset, first_text)
+        return text, legacy_logprobs(lp_entries, offsets, first_text)
 
     def _object(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(
@@ -74,12 +74,8 @@ class CompletionFormatter:
 
     def stream_chunks(self, delta: ChoiceDelta, run: GenerationRun) -> list[BaseModel]:
         first = delta.index not in self._offsets
-        offset = self._offsets.get(delta.index, 0)
-        text, logprobs = self._piece(run, delta.prompt_index, delta.text, delta.logprobs, first, offset)
-        if logprobs is not None and logprobs.tokens:
-            self._offsets[delta.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        else:
-            self._offsets[delta.index] = offset
+        offsets = self._offsets.setdefault(delta.index, TextOffsets())
+        text, logprobs = self._piece(run, delta.prompt_index, delta.text, delta.logprobs, first, offsets)
         if not text and not (logprobs and logprobs.tokens) and delta.finish_reason is None:
             return []
         choice = CompletionChoice(index=delta.index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason)
@@ -91,7 +87,7 @@ class CompletionFormatter:
     def response(self, choices: list[ChoiceResult], run: GenerationRun) -> BaseModel:
         out = []
         for c in choices:
-            text, logprobs = self._piece(run, c.prompt_index, c.text, c.logprobs, True, 0)
+            text, logprobs = self._piece(run, c.prompt_index, c.text, c.logprobs, True, TextOffsets())
             out.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason))
         return self._object(out, run.usage())
 

@@ -68,6 +68,11 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self.finished = False
 
+    @property
+    def decoded_length(self) -> int:
+        """Characters decoded so far: emitted, or held back as a possible stop string."""
+        return len(self.output_text) + len(self._pending)
+
     def add_token(self, token_id: int) -> tuple[str, str | None]:
         """Feed one generated token.
 

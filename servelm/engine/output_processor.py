@@ -11,7 +11,9 @@ length. For each new token, in order, the output processor then
   any tokens of the same step after it;
 - with a tool-call parser (``SamplingParams.tool_call_parser``), splits the
   text into content and tool-call pieces, each choice with its own parser;
-- records its logprobs, with each token's text;
+- records its logprobs, with each token's bytes, and hands them on with
+  the token's text: a token whose text turns out to be part of a stop
+  string, and a stop token, have none in the output;
 - and builds each request's delta :class:`RequestOutput`: what changed since
   the last one. A request with ``best_of > n`` streams nothing: its output
   waits until every choice ended, then holds the ``n`` best.
@@ -50,10 +52,12 @@ class _Choice:
     seq: Sequence
     index: int  # among the request's best_of sequences
     detok: IncrementalDetokenizer
-    logprobs: list[PositionLogprobs] | None
+    logprobs: list[PositionLogprobs] | None  # of the tokens whose text is out
     parser: ToolCallParser | None = None  # reads tool calls out of the text, when the request asks
     text: str = ""  # the content: with a parser, the text outside tool calls
     tool_calls: list[ToolCallDelta] = field(default_factory=list)  # the parser's pieces so far
+    # Logprobs of tokens whose text the detokenizer holds back, each with where its text starts.
+    held_logprobs: list[tuple[int, PositionLogprobs]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_tokens: int = 0  # generated tokens turned into text so far
     # How much has been handed out already (delta outputs).
@@ -101,7 +105,6 @@ class OutputProcessor:
         self._finish = finish
         self._requests: dict[str, _RequestState] = {}
         self._choices: dict[int, _Choice] = {}  # seq_id -> its choice
-        self._token_text: dict[int, str] = {}
 
     def add_request(
         self,
@@ -197,17 +200,20 @@ class OutputProcessor:
         seq = choice.seq
         choice.num_tokens += 1
         choice.cumulative_logprob += logprob
-        if choice.logprobs is not None:
-            choice.logprobs.append(self._position_logprobs(token_id, logprob, top or []))
         if last and seq.finish_reason == "stop":
-            # A stop token or the end of text: its own text is never shown.
+            # A stop token or the end of text: its own text is never shown, nor its logprobs.
             self._add_text(choice, choice.detok.flush(), last=True)
+            self._release_logprobs(choice)
             return False
+        if choice.logprobs is not None:
+            entry = self._position_logprobs(token_id, logprob, top or [])
+            choice.held_logprobs.append((choice.detok.decoded_length, entry))
         text, stop = choice.detok.add_token(token_id)
         if stop is not None:
             # The stop string came with this token: it wins over a length limit reached by the same token,
             # and the tokens a speculative step accepted after it go.
             self._add_text(choice, text, last=True)
+            self._release_logprobs(choice)
             seq.truncate(choice.num_tokens)
             self._finish(seq, "stop", stop)
             return True
@@ -215,7 +221,30 @@ class OutputProcessor:
             self._add_text(choice, text + choice.detok.flush(), last=True)
         else:
             self._add_text(choice, text, last=False)
+        self._release_logprobs(choice)
         return False
+
+    @staticmethod
+    def _release_logprobs(choice: _Choice) -> None:
+        """Hand on the logprobs of the tokens whose text the detokenizer let out.
+
+        A token's entry waits while its text is held back: that text may turn
+        out to be part of a stop string, which is cut from the output with
+        the tokens that wrote it, so that the tokens of the logprobs add up
+        to the returned text. A token that holds only the first bytes of a
+        character starts where that character does.
+        """
+        if choice.logprobs is None:
+            return
+        detok, held = choice.detok, choice.held_logprobs
+        emitted = len(detok.output_text)
+        count = 0
+        while count < len(held) and held[count][0] < emitted:
+            count += 1
+        if detok.finished and detok.stop_reason is None:
+            count = len(held)  # the end of the text (flush): every token's text is out
+        choice.logprobs += [entry for _, entry in held[:count]]
+        del held[: len(held) if detok.finished else count]
 
     @staticmethod
     def _add_text(choice: _Choice, text: str, last: bool) -> None:
@@ -230,17 +259,11 @@ class OutputProcessor:
 
     # -- logprob text ----------------------------------------------------
 
-    def _token_str(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
-        return text
-
     def _position_logprobs(self, token_id: int, logprob: float, top: TopLogprobs) -> PositionLogprobs:
+        token_bytes = self._tokenizer.token_bytes
         return PositionLogprobs(
-            chosen=TokenLogprob(token_id, logprob, self._token_str(token_id)),
-            top=[TokenLogprob(t, lp, self._token_str(t)) for t, lp in top],
+            chosen=TokenLogprob(token_id, logprob, token_bytes(token_id)),
+            top=[TokenLogprob(t, lp, token_bytes(t)) for t, lp in top],
         )
 
     # -- deltas ----------------------------------------------------------

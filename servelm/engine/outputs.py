@@ -12,11 +12,17 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TokenLogprob:
-    """The log-probability of one token, with its decoded text."""
+    """The log-probability of one token, with the bytes it stands for."""
 
     token_id: int
     logprob: float
-    text: str
+    token_bytes: bytes
+
+    @property
+    def text(self) -> str:
+        """The token's text: its bytes as UTF-8, with the bytes of a character it holds only part of
+        written as ``\\xNN`` escapes (so distinct tokens keep distinct texts)."""
+        return self.token_bytes.decode("utf-8", errors="backslashreplace")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from servelm.engine.tool_parsers import AUTO, get_format, resolve_format
+from servelm.models.token_bytes import TokenBytes
 from servelm.models.tool_prompt import template_reads_tools, tool_messages
 
 # Tokenizer lengths above this are transformers' "no limit" placeholder, not a real context size.
@@ -46,6 +47,7 @@ class Tokenizer:
             max_model_len = int(hf.model_max_length)
         self.max_model_len: int | None = max_model_len
         self._template_reads_tools: dict[str, bool] = {}  # by template text (the model's, an override)
+        self._token_bytes: TokenBytes | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token strings in it become their ids."""
@@ -54,6 +56,12 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (part of a character, for some): see :mod:`~servelm.models.token_bytes`."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.hf)
+        return self._token_bytes(token_id)
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         """Vocabulary strings (byte-level pieces, not text) of ``ids``."""

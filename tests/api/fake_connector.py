@@ -63,16 +63,17 @@ def check_ids(ids: list[int], param: str) -> None:
         raise ConnectorError(f"token id {bad[0]} is out of the vocabulary (size {VOCAB_SIZE})", param=param)
 
 
-def token_text(token_id: int) -> str:
-    """A single token's text (special tokens have names)."""
-    return {0: "<pad>", BOS: "<s>", EOS: "</s>"}.get(token_id, decode([token_id]))
+def token_bytes(token_id: int) -> bytes:
+    """A single token's bytes (special tokens have names)."""
+    special = {0: "<pad>", BOS: "<s>", EOS: "</s>"}.get(token_id)
+    return special.encode() if special is not None else bytes([token_id - OFFSET])
 
 
 def position_logprobs(token_id: int, k: int) -> PositionLogprobs:
     """Made-up logprobs: the chosen token at -0.5, then k alternatives at -1, -2, ..."""
-    top = [TokenLogprob(token_id, -0.5, token_text(token_id))]
-    alt = [TokenLogprob(OFFSET + ord("a") + j, -1.0 - j, chr(ord("a") + j)) for j in range(max(k - 1, 0))]
-    return PositionLogprobs(chosen=TokenLogprob(token_id, -0.5, token_text(token_id)), top=(top + alt)[:k])
+    top = [TokenLogprob(token_id, -0.5, token_bytes(token_id))]
+    alt = [TokenLogprob(OFFSET + ord("a") + j, -1.0 - j, chr(ord("a") + j).encode()) for j in range(max(k - 1, 0))]
+    return PositionLogprobs(chosen=TokenLogprob(token_id, -0.5, token_bytes(token_id)), top=(top + alt)[:k])
 
 
 @dataclass
@@ -189,7 +190,7 @@ class FakeConnector:
                     continue
                 tok = replies[i][step]
                 done = step == lengths[i] - 1
-                text, tool_calls = token_text(tok), []
+                text, tool_calls = token_bytes(tok).decode("utf-8", errors="replace"), []
                 if parsers:
                     pieces = [parsers[i].feed(text), *([parsers[i].finish()] if done else [])]
                     text = "".join(p.content for p in pieces)

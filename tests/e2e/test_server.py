@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 import struct
 import time
 
@@ -105,7 +106,9 @@ def test_chat_completion(client, http, greedy_chat):
     assert choice.message.content == greedy_chat.choices[0].message.content  # greedy is reproducible
     assert choice.finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens == prompt_tokens
-    assert r.usage.completion_tokens == len(choice.logprobs.content)
+    # The logprobs are the content's tokens: not the end-of-turn token, which usage counts.
+    assert "".join(e.token for e in choice.logprobs.content) == choice.message.content
+    assert r.usage.completion_tokens == len(choice.logprobs.content) + (choice.finish_reason == "stop")
     assert 1 <= r.usage.completion_tokens <= 12
     assert choice.finish_reason == "stop" or r.usage.completion_tokens == 12
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
@@ -205,7 +208,7 @@ def test_completions_logprobs(client):
     choice = r.choices[0]
     lp = choice.logprobs
     n = len(lp.tokens)
-    assert n == r.usage.completion_tokens >= 1
+    assert n + (choice.finish_reason == "stop") == r.usage.completion_tokens >= 1
     assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
     assert "".join(lp.tokens) == choice.text
     offset = 0
@@ -238,11 +241,69 @@ def test_completions_stop_string(client):
     assert len(words) >= 3, free
     stop = " " + words[2]  # a string the unconstrained greedy text contains, past its start
     cut = free.index(stop)
-    r = client.completions.create(**base, stop=[stop])
+    r = client.completions.create(**base, stop=[stop], logprobs=1)
     choice = r.choices[0]
     assert choice.finish_reason == "stop"
     assert stop not in choice.text
     assert choice.text == free[:cut]
+    assert "".join(choice.logprobs.tokens) == choice.text  # the stop string's tokens are cut too
+    streamed = client.completions.create(**base, stop=[stop], logprobs=1, stream=True)
+    tokens = [
+        t for chunk in streamed if chunk.choices and chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.tokens
+    ]
+    assert "".join(tokens) == choice.text
+
+
+def _escaped_bytes(token: str) -> bytes:
+    """A logprob token's bytes: its text, with ``\\xNN`` escapes for the bytes of an unfinished character."""
+    out, i = bytearray(), 0
+    while i < len(token):
+        if re.match(r"\\x[0-9a-f]{2}", token[i : i + 4]):
+            out.append(int(token[i + 2 : i + 4], 16))
+            i += 4
+        else:
+            out += token[i].encode()
+            i += 1
+    return bytes(out)
+
+
+def test_logprobs_of_tokens_holding_part_of_a_character(client, http):
+    # Emoji and CJK characters take several tokens each: every token keeps its own bytes.
+    prompt = "Party: 🎉🎉 and 日本語 🇫🇷"
+    r = client.completions.create(model=CHAT_MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=3, echo=True)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert "\ufffd" not in "".join(lp.tokens[: r.usage.prompt_tokens])
+    raw = [_escaped_bytes(t) for t in lp.tokens]
+    assert any(_not_utf8(b) for b in raw)  # the prompt has tokens with part of a character
+    assert b"".join(raw).decode("utf-8", errors="replace") == choice.text
+    for i, offset in enumerate(lp.text_offset):  # where each token's character starts
+        assert offset == len(b"".join(raw[:i]).decode("utf-8", errors="ignore"))
+    for top in lp.top_logprobs[1:]:
+        assert len(top) >= 3  # distinct tokens are distinct keys, never all "\ufffd"
+    chat = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": CHAT_MODEL,
+            "messages": [{"role": "user", "content": "Reply with three party emojis."}],
+            "max_tokens": 12,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    ).json()["choices"][0]
+    entries = chat["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8", errors="replace") == chat["message"]["content"]
+    for e in entries:
+        assert _escaped_bytes(e["token"]) == bytes(e["bytes"])
+
+
+def _not_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 def test_completions_stream_matches_non_streamed(client):

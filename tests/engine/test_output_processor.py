@@ -18,6 +18,9 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return "".join(chr(i) for i in ids)
 
+    def token_bytes(self, token_id):
+        return chr(token_id).encode()
+
 
 class Harness:
     """An output processor, with the scheduler's part (append, stop tokens, length) played by hand."""
@@ -158,3 +161,48 @@ def test_max_tokens_reached_inside_a_run_keeps_the_run_up_to_it():
     (out,) = h.step({seq: ("abcde", 0.0)})
     choice = out.outputs[0]
     assert (choice.text, choice.finish_reason) == ("abc", "length")
+
+
+# ---- logprobs follow the text --------------------------------------------------
+
+
+def logprob_text(out) -> str:
+    return "".join(lp.chosen.text for lp in out.outputs[0].logprobs)
+
+
+def test_the_logprobs_of_a_stop_token_and_of_a_stop_string_are_cut_with_their_text():
+    h = Harness()
+    (seq,) = h.add("r", SamplingParams(stop=["xy"], logprobs=1))
+    (out,) = h.step({seq: ("abxycd", -1.0)})
+    assert out.outputs[0].text == logprob_text(out) == "ab"
+    h = Harness()
+    (seq,) = h.add("r", SamplingParams(stop_token_ids=[ord("!")], logprobs=0))
+    (out,) = h.step({seq: ("ab!", -1.0)})
+    assert out.outputs[0].text == logprob_text(out) == "ab"
+    assert out.outputs[0].cumulative_logprob == -3.0  # the stop token's logprob still counts there
+    h = Harness()
+    (seq,) = h.add("r", SamplingParams(stop=["xy"], include_stop_str_in_output=True, logprobs=0))
+    (out,) = h.step({seq: ("abxycd", -1.0)})
+    assert out.outputs[0].text == logprob_text(out) == "abxy"
+
+
+def test_a_streamed_tokens_logprobs_wait_while_its_text_may_be_a_stop_string():
+    h = Harness()
+    (seq,) = h.add("r", SamplingParams(stop=["xyz"], logprobs=0))
+    deltas = [h.step({seq: (c, -1.0)})[0] for c in "axy"]
+    assert [(d.outputs[0].text, logprob_text(d)) for d in deltas] == [("a", "a"), ("", ""), ("", "")]
+    (out,) = h.step({seq: ("q", -1.0)})  # not the stop string after all: the held tokens come out with their text
+    assert (out.outputs[0].text, logprob_text(out)) == ("xyq", "xyq")
+    (out,) = h.step({seq: ("x", -1.0)})
+    assert (out.outputs[0].text, logprob_text(out)) == ("", "")
+    (out,) = h.step({seq: ("yz", -1.0)})  # the stop string: its tokens' logprobs never come out
+    assert (out.outputs[0].text, logprob_text(out), out.outputs[0].finish_reason) == ("", "", "stop")
+
+
+def test_held_back_logprobs_come_out_when_the_length_limit_ends_the_text():
+    h = Harness()
+    (seq,) = h.add("r", SamplingParams(stop=["xy"], logprobs=0, max_tokens=2), max_tokens=2)
+    (first,) = h.step({seq: ("a", -1.0)})
+    assert (first.outputs[0].text, logprob_text(first)) == ("a", "a")
+    (last,) = h.step({seq: ("x", -1.0)})
+    assert (last.outputs[0].text, logprob_text(last), last.outputs[0].finish_reason) == ("x", "x", "length")
