@@ -22,7 +22,7 @@ from servelm.api.admission import QUEUE_RETRY_AFTER_S, Admission
 from servelm.api.errors import APIError, RequestTimedOut, ServerOverloaded, api_error_from, with_param_renamed
 from servelm.api.metrics import Metrics, RequestRecorder
 from servelm.api.ratelimit import retry_after
-from servelm.api.responses import PromptTokensDetails, Usage
+from servelm.api.responses import CompletionTokensDetails, PromptTokensDetails, Usage
 from servelm.connectors.base import Connector, ConnectorError
 from servelm.engine.outputs import PositionLogprobs, RequestOutput, ToolCallDelta, merge_tool_calls
 from servelm.engine.sampling_params import SamplingParams
@@ -147,6 +147,7 @@ class GenerationRun:
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            completion_tokens_details=CompletionTokensDetails(),
         )
 
     async def start(self, admission: Admission | None = None) -> None:

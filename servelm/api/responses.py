@@ -39,6 +39,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    annotations: list[Any] = Field(default_factory=list)  # OpenAI's web-search citations: never any here
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda v: v is None)
 
 
@@ -57,6 +58,15 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's breakdown of completion tokens: servelm has no reasoning, audio or predicted outputs."""
+
+    reasoning_tokens: int = 0
+    audio_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token usage of a request."""
 
@@ -64,6 +74,7 @@ class Usage(BaseModel):
     completion_tokens: int = 0
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ChatCompletionResponse(BaseModel):

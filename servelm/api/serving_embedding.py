@@ -44,9 +44,12 @@ class ServingEmbedding(OpenAIServing):
         if len(inputs) > MAX_INPUTS:
             raise APIError(f"input may hold at most {MAX_INPUTS} items, got {len(inputs)}.", status=400, param="input")
         for i, item in enumerate(inputs):
+            where = "input" if isinstance(req.input, str) else f"input[{i}]"
+            if item == "":
+                raise APIError("input must not be an empty string.", status=400, param=where)
             if isinstance(item, list):
                 if not item:
-                    raise APIError("Token id inputs must not be empty.", status=400, param=f"input[{i}]")
+                    raise APIError("Token id inputs must not be empty.", status=400, param=where)
                 error = context_length_exceeded(card.max_model_len, len(item), 0, "input")
                 if error is not None:
                     raise error

@@ -15,6 +15,13 @@ from .fake_connector import CHAT_MODEL, encode
 
 USER = [{"role": "user", "content": "x"}]
 PROMPT_TOKENS = len(encode("<|user|>x\n<|assistant|>", add_special_tokens=False))
+# OpenAI's usage always breaks the completion tokens down; servelm has none of these kinds.
+NO_COMPLETION_DETAILS = {
+    "reasoning_tokens": 0,
+    "audio_tokens": 0,
+    "accepted_prediction_tokens": 0,
+    "rejected_prediction_tokens": 0,
+}
 
 
 def fingerprint() -> str:
@@ -54,7 +61,7 @@ async def test_non_streaming_response_shape(client, fake):
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "Hello world", "refusal": None},
+                "message": {"role": "assistant", "content": "Hello world", "refusal": None, "annotations": []},
                 "logprobs": None,
                 "finish_reason": "stop",
             }
@@ -64,6 +71,7 @@ async def test_non_streaming_response_shape(client, fake):
             "completion_tokens": 11,
             "total_tokens": PROMPT_TOKENS + 11,
             "prompt_tokens_details": {"cached_tokens": 2},
+            "completion_tokens_details": NO_COMPLETION_DETAILS,
         },
     }
     # Chat passes token ids rendered by the template, without extra special tokens.
@@ -95,7 +103,7 @@ async def test_stream_include_usage_is_byte_exact(client, fake):
     r = await chat(client, stream=True, max_tokens=1, stream_options={"include_usage": True})
     fp = fingerprint()
     head = f'{{"id":"chatcmpl-test","object":"chat.completion.chunk","created":1700000000,"model":"fake-chat","system_fingerprint":"{fp}",'
-    usage = f'{{"prompt_tokens":{PROMPT_TOKENS},"completion_tokens":1,"total_tokens":{PROMPT_TOKENS + 1},"prompt_tokens_details":{{"cached_tokens":2}}}}'
+    usage = f'{{"prompt_tokens":{PROMPT_TOKENS},"completion_tokens":1,"total_tokens":{PROMPT_TOKENS + 1},"prompt_tokens_details":{{"cached_tokens":2}},"completion_tokens_details":{{"reasoning_tokens":0,"audio_tokens":0,"accepted_prediction_tokens":0,"rejected_prediction_tokens":0}}}}'
     expected = (
         f'data: {head}"choices":[{{"index":0,"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}],"usage":null}}\n\n'
         f'data: {head}"choices":[{{"index":0,"delta":{{"content":"H"}},"logprobs":null,"finish_reason":null}}],"usage":null}}\n\n'

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from .fake_connector import BOS, CHAT_MODEL, encode
-from .test_chat import chunks, events, fingerprint
+from .test_chat import NO_COMPLETION_DETAILS, chunks, events, fingerprint
 
 
 async def complete(client, **body):
@@ -31,6 +31,7 @@ async def test_string_prompt(client, fake):
             "completion_tokens": 5,
             "total_tokens": 8,
             "prompt_tokens_details": {"cached_tokens": 2},
+            "completion_tokens_details": NO_COMPLETION_DETAILS,
         },
     }
     # Text prompts are tokenized with special tokens (BOS here) before the engine sees them.
@@ -161,7 +162,7 @@ async def test_stream_byte_exact_with_usage(client, fake):
     assert r.text == (
         f'data: {head}"choices":[{{"index":0,"text":"H","logprobs":null,"finish_reason":null}}],"usage":null}}\n\n'
         f'data: {head}"choices":[{{"index":0,"text":"i","logprobs":null,"finish_reason":"stop"}}],"usage":null}}\n\n'
-        f'data: {head}"choices":[],"usage":{{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{{"cached_tokens":2}}}}}}\n\n'
+        f'data: {head}"choices":[],"usage":{{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{{"cached_tokens":2}},"completion_tokens_details":{{"reasoning_tokens":0,"audio_tokens":0,"accepted_prediction_tokens":0,"rejected_prediction_tokens":0}}}}}}\n\n'
         "data: [DONE]\n\n"
     )
 

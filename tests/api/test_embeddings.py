@@ -53,12 +53,18 @@ async def test_dimensions(client):
     assert "4-dimensional" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("inp,param", [([], "input"), ([[1], []], "input[1]"), ([-1], "input")])
-async def test_bad_inputs(client, inp, param):
+@pytest.mark.parametrize(
+    "inp,param",
+    [([], "input"), ([[1], []], "input[1]"), ([-1], "input"), ("", "input"), (["a", ""], "input[1]")],
+)
+async def test_bad_inputs(client, fake, inp, param):
     r = await embed(client, input=inp)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] is not None
     assert r.json()["error"]["param"].startswith(param.split("[")[0])
+    if inp in ("", ["a", ""]):  # an empty string, as OpenAI: nothing to embed
+        assert r.json()["error"]["param"] == param and "empty string" in r.json()["error"]["message"]
+        assert fake.embed_calls == []
 
 
 async def test_too_many_inputs(client):

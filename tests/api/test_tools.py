@@ -61,6 +61,7 @@ async def test_auto_reply_with_a_call(client, fake):
             "role": "assistant",
             "content": None,
             "refusal": None,
+            "annotations": [],
             "tool_calls": [
                 {
                     "id": "call_test",
@@ -93,7 +94,7 @@ async def test_a_reply_without_calls_is_plain_text(client, fake):
     fake.reply_text = "It is sunny."
     r = await chat(client, tools=[WEATHER])
     choice = r.json()["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": "It is sunny.", "refusal": None}
+    assert choice["message"] == {"role": "assistant", "content": "It is sunny.", "refusal": None, "annotations": []}
     assert choice["finish_reason"] == "stop"
 
 
