@@ -16,7 +16,7 @@ grammar allows, never to one it forbids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,23 @@ class SamplingState:
     generator: torch.Generator | None
     eos_token_ids: set[int]  # banned, with params.stop_token_ids, while fewer than min_tokens were generated
     grammar: GrammarMatcher | None = None  # structured outputs: the tokens its grammar allows next
+    _bias: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+
+    def logit_bias(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's logit_bias as (token ids, values) tensors, made once per vocabulary size
+        (a draft model's may differ) and device: a bias may name every token of the vocabulary,
+        too many to walk in Python at every step."""
+        bias = self._bias.get((vocab, device))
+        if bias is None:
+            # Ids beyond this vocabulary cannot be sampled anyway.
+            pairs = [(t, v) for t, v in (self.params.logit_bias or {}).items() if 0 <= t < vocab]
+            bias = self._bias[(vocab, device)] = (
+                torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device),
+                torch.tensor([v for _, v in pairs], dtype=torch.float32, device=device),
+            )
+        return bias
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -120,16 +137,13 @@ class Sampler:
 def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """Apply the stages shared by greedy and random rows; returns a new tensor when any applies."""
     vocab = logits.shape[1]
-    bias_rows, bias_cols, bias_vals = [], [], []
+    bias_rows = []
     ban_rows, ban_cols = [], []
     penalty_rows = []
     for i, s in enumerate(states):
         p = s.params
-        for tok, val in (p.logit_bias or {}).items():
-            if 0 <= tok < vocab:  # ids beyond this model's vocabulary cannot be sampled anyway
-                bias_rows.append(i)
-                bias_cols.append(tok)
-                bias_vals.append(val)
+        if p.logit_bias:
+            bias_rows.append(i)
         if s.num_output_tokens < p.min_tokens:
             banned = [t for t in s.eos_token_ids | set(p.stop_token_ids) if 0 <= t < vocab]
             ban_rows += [i] * len(banned)
@@ -141,9 +155,9 @@ def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -
 
     dev = logits.device
     x = logits.clone()
-    if bias_rows:
-        index = (torch.tensor(bias_rows, device=dev), torch.tensor(bias_cols, device=dev))
-        x.index_put_(index, torch.tensor(bias_vals, device=dev), accumulate=True)
+    for i in bias_rows:
+        ids, values = states[i].logit_bias(vocab, dev)
+        x[i].index_add_(0, ids, values.to(x.dtype))
     if ban_rows:
         x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_cols, device=dev)] = float("-inf")
     if penalty_rows:

@@ -11,6 +11,7 @@ from servelm.engine.row_blocks import BLOCK, mass_threshold
 from servelm.engine.sampler import (
     Sampler,
     SamplingState,
+    apply_logits_processors,
     apply_min_p,
     apply_penalties,
     apply_top_k,
@@ -199,6 +200,22 @@ def test_logit_bias_bans_and_forces():
     for _ in range(20):
         out = Sampler()(logits, [state(greedy_ban), state(random_force)])
         assert out.token_ids == [3, 2]
+
+
+def test_a_whole_vocabulary_logit_bias_adds_up_and_is_read_once_per_sequence():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000
+    logits = torch.randn(3, vocab, generator=gen)
+    bias = torch.randint(-100, 101, (vocab,), generator=gen).float()
+    params = SamplingParams(temperature=0.0, logit_bias={t: float(v) for t, v in enumerate(bias.tolist())})
+    rows = [state(params), state(), state(SamplingParams(logit_bias={7: 3.0, 5000: 1.0}))]
+    out = apply_logits_processors(logits, rows)
+    assert torch.equal(out[0], logits[0] + bias)
+    assert torch.equal(out[1], logits[1])
+    assert torch.equal(out[2], logits[2] + 3.0 * (torch.arange(vocab) == 7))
+    first = rows[0].logit_bias(vocab, logits.device)
+    apply_logits_processors(logits, rows)  # a later step: the dict is not walked again
+    assert rows[0].logit_bias(vocab, logits.device) is first
 
 
 def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
