@@ -242,7 +242,8 @@ def install_exception_handlers(app: FastAPI) -> None:
             message, code = f"Method {request.method} is not allowed for {request.url.path}", "method_not_allowed"
         elif status == 400 and exc.detail == _UNPARSABLE_BODY:
             message = (
-                "The request body is not valid JSON: it could not be decoded (invalid UTF-8, or nested too deeply)."
+                "The request body is not valid JSON: it could not be decoded (invalid UTF-8, nested too deeply, "
+                "or an integer of more than 4300 digits)."
             )
             code = "invalid_json"
         else:

@@ -153,6 +153,8 @@ def _parameters(schema: dict[str, Any] | None, where: str) -> dict[str, Any]:
     except SchemaError as exc:
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path)
         raise APIError(f"Invalid JSON Schema in '{where}{path}': {exc.message}.", status=400, param=where) from None
+    except RecursionError:
+        raise APIError(f"The JSON Schema in '{where}' is nested too deeply.", status=400, param=where) from None
     if schema.get("type", "object") != "object":
         raise APIError(
             f'\'{where}\' must describe an object ("type": "object"), not {schema["type"]!r}.',

@@ -233,13 +233,21 @@ async def test_token_ids_inside_the_vocabulary_are_fine(client):
 
 @pytest.mark.parametrize(
     "raw",
-    [b'{"model": ', b"[" * 100_000 + b"]" * 100_000, b'{"model": "\xff\xfe", "prompt": "x"}', b'{"a": 1}}'],
-    ids=["truncated", "nested-too-deep", "invalid-utf8", "trailing"],
+    [
+        b'{"model": ',
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"model": "\xff\xfe", "prompt": "x"}',
+        b'{"a": 1}}',
+        b'{"model": "fake-chat", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",
+    ],
+    ids=["truncated", "nested-too-deep", "invalid-utf8", "trailing", "integer-too-long"],
 )
 async def test_undecodable_json_is_invalid_json(client, raw):
     r = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     err = error_of(r)
     assert err["code"] == "invalid_json" and "not valid JSON" in err["message"], err
+    if b"0" * 5000 in raw:
+        assert "4300 digits" in err["message"]
 
 
 # --- sampling values in float32 -----------------------------------------------------------

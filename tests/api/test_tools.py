@@ -29,6 +29,8 @@ WEATHER = {
 TIME = {"type": "function", "function": {"name": "get_time"}}
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TWO_CALLS = CALL_TEXT + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+# Deep enough for the schema check to recurse past Python's limit, not for the JSON parser.
+DEEP_SCHEMA = json.loads('{"type": "object", "properties": {"a": ' * 150 + "{}" + "}}" * 150)
 
 
 def assemble(events: list[dict]) -> dict[int, dict]:
@@ -291,6 +293,10 @@ async def test_a_tool_result_round_trips_to_the_template(client, fake):
         ),
         (
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP_SCHEMA}}]},
             "tools[0].function.parameters",
         ),
         ({"tools": [TIME], "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
