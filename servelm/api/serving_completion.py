@@ -18,6 +18,7 @@ from servelm.api.responses import CompletionChoice, CompletionLogprobs, Completi
 from servelm.api.serving_base import check_supported, sampling_params
 from servelm.api.serving_generation import GenerationServing
 from servelm.api.structured import structured_request
+from servelm.connectors.base import ConnectorError
 from servelm.engine.outputs import PositionLogprobs
 
 
@@ -130,7 +131,10 @@ class ServingCompletion(GenerationServing):
         echo_texts: list[str] | None = None
         first_token_texts: list[str] = []
         if req.echo:
-            echo_texts = [p if isinstance(p, str) else await self.connector.detokenize(card.id, p) for p in prompts]
+            echo_texts = [
+                p if isinstance(p, str) else await self._prompt_text(card.id, p, i, len(prompts))
+                for i, p in enumerate(prompts)
+            ]
             if with_prompt_logprobs:
                 first_token_texts = [await self.connector.detokenize(card.id, ids[:1]) for ids in prompt_ids]
 
@@ -156,6 +160,14 @@ class ServingCompletion(GenerationServing):
             first_token_texts=first_token_texts,
         )
         return await self.respond(raw_request, run, formatter, stream)
+
+    async def _prompt_text(self, model: str, ids: list[int], index: int, count: int) -> str:
+        """The text of a token id prompt, for echo; an id outside the vocabulary is the prompt's error."""
+        try:
+            return await self.connector.detokenize(model, ids)
+        except ConnectorError as exc:
+            exc.param = "prompt" if count == 1 else f"prompt[{index}]"
+            raise
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

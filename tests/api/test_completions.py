@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from .fake_connector import BOS, CHAT_MODEL, encode
+from .fake_connector import BOS, CHAT_MODEL, VOCAB_SIZE, encode
 from .test_chat import NO_COMPLETION_DETAILS, chunks, events, fingerprint
 
 
@@ -87,6 +87,14 @@ async def test_echo_token_prompt_is_detokenized(client, fake):
     r = await complete(client, prompt=encode("xy", add_special_tokens=False), echo=True, max_tokens=1)
     assert r.json()["choices"][0]["text"] == "xyH"
     assert fake.generate_calls[0][3].prompt_logprobs is None
+
+
+@pytest.mark.parametrize(("prompt", "param"), [([VOCAB_SIZE + 5], "prompt"), ([[BOS], [BOS, VOCAB_SIZE]], "prompt[1]")])
+async def test_echo_of_a_token_outside_the_vocabulary_blames_the_prompt(client, fake, prompt, param):
+    r = await complete(client, prompt=prompt, echo=True, max_tokens=1)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and "vocabulary" in r.json()["error"]["message"]
+    assert fake.generate_calls == []
 
 
 async def test_logprobs_without_echo(client, fake):
