@@ -152,8 +152,9 @@ class Settings(EngineSettings, BaseSettings):
 
     max_waiting: int | None = setting(
         256,
-        "most requests waiting to start in the engine; past it a new chat/completions request gets 429 "
-        "server_overloaded (code queue_full) with Retry-After",
+        "most sequences waiting to start in the engine (a request waits as its prompts × `n`); a new "
+        "chat/completions request that would go past it gets 429 server_overloaded (code queue_full) with "
+        "Retry-After, and one that asks for more sequences than this on its own gets 400",
         group="admission control",
         metavar="N",
         ge=0,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servelm.api.errors import APIError
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -32,3 +34,17 @@ class Admission:
 # Retry-After of a 429 for a full queue: engine steps take milliseconds to a
 # second, so the queue moves within a second or two; clients back off from there.
 QUEUE_RETRY_AFTER_S = 1.0
+
+
+def sequences_asked(prompts: int, choices: int, max_waiting: int) -> int:
+    """The sequences a run of ``prompts`` x ``choices`` waits as; a 400 when they are more than
+    ``max_waiting``, since such a run could never be admitted."""
+    asks = prompts * choices
+    if asks > max_waiting:
+        raise APIError(
+            f"This request asks for {asks} sequences ({prompts} prompt(s) x {choices} choices), "
+            f"more than the server queues at once ({max_waiting}): send fewer prompts or choices per request.",
+            status=400,
+            param="n" if prompts == 1 else "prompt",
+        )
+    return asks

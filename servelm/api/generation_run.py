@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import anyio
 
-from servelm.api.admission import QUEUE_RETRY_AFTER_S, Admission
+from servelm.api.admission import QUEUE_RETRY_AFTER_S, Admission, sequences_asked
 from servelm.api.errors import APIError, RequestTimedOut, ServerOverloaded, api_error_from, with_param_renamed
 from servelm.api.metrics import Metrics, RequestRecorder
 from servelm.api.ratelimit import retry_after
@@ -167,9 +167,11 @@ class GenerationRun:
             # submission below suspends (queue_depth and the local
             # connector's submission do not), so concurrent requests cannot
             # all slip past the limit. A batch of prompts is submitted from
-            # tasks and counts as one request here: the limit is approximate.
+            # tasks, so the limit is approximate for batches.
+            # The run waits as one sequence per prompt and choice (best_of of them).
+            asks = sequences_asked(len(self.prompts), self.params.best_of, admission.max_waiting)
             depth = await self.connector.queue_depth()
-            if depth.waiting >= admission.max_waiting:
+            if depth.waiting + asks > admission.max_waiting:
                 raise self._overloaded(
                     "queue_full",
                     f"The server is at capacity: {depth.waiting} requests are already waiting. "

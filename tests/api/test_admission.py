@@ -50,6 +50,36 @@ async def test_below_the_limit_is_admitted():
     assert r.json()["choices"][0]["message"]["content"] == "Hello world"
 
 
+async def test_a_batch_counts_as_its_prompts_times_choices():
+    # Every prompt and choice waits as one sequence: 2 waiting + 3 x 2 is past 6.
+    fake = FakeConnector(waiting=2)
+    async with make_client(make_app(fake, max_waiting=6)) as c:
+        r = await c.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b", "c"], "n": 2})
+        assert_overloaded(r, "queue_full")
+        assert fake.generate_calls == []
+        r = await c.post("/v1/completions", json={**COMPLETION, "prompt": ["a", "b"], "n": 2})
+        assert r.status_code == 200, r.text
+        assert len(fake.generate_calls) == 2
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 5, "n": 2}, "prompt"),
+        ("/v1/chat/completions", {**CHAT, "n": 9}, "n"),
+    ],
+)
+async def test_a_run_larger_than_the_whole_queue_is_400(path, body, param):
+    # It could never be admitted, so it is the request's error, however empty the queue.
+    fake = FakeConnector(waiting=0)
+    async with make_client(make_app(fake, max_waiting=8)) as c:
+        r = await c.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "more than the server queues at once (8)" in error["message"]
+    assert fake.generate_calls == []
+
+
 async def test_zero_means_unbounded():
     fake = FakeConnector(waiting=10**6)
     async with make_client(make_app(fake, max_waiting=0)) as c:
