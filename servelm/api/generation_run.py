@@ -330,6 +330,8 @@ class GenerationRun:
             if out.error:
                 self._finished[i] = True
                 recorder.end("error")
+                if out.error_code:  # the request's own error, found as it ran
+                    raise APIError(out.error, status=400, code=out.error_code)
                 raise EngineRequestError(out.error)
             if out.prompt_logprobs is not None and self.prompt_logprobs[i] is None:
                 self.prompt_logprobs[i] = out.prompt_logprobs

@@ -18,6 +18,7 @@ from typing import Any
 import xgrammar as xgr
 
 from servelm.engine.grammar_cache import GrammarCache, GrammarCacheStats
+from servelm.engine.grammar_matcher import GrammarMatcher
 from servelm.engine.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
 # xgrammar's C++ errors start with a timestamp, a source location and sometimes a
@@ -73,23 +74,32 @@ class GrammarCompiler:
         kind, spec = key
         compiler = self._compiler()
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(spec, strict_mode=True, **_JSON_OPTIONS)
-            if kind == "json_object":
-                # Any object: strict mode off, else an object schema without properties allows only {}.
-                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **_JSON_OPTIONS)
-            if kind == "regex":
-                return compiler.compile_regex(spec)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(json.loads(spec)))
-            if kind == "grammar":
-                return compiler.compile_grammar(spec)
-            if kind == "structural_tag":
-                return compiler.compile_structural_tag(spec)
+            compiled = _compile(compiler, kind, spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             param = f"structured_outputs.{kind}"
             raise StructuredOutputsError(param, f"{param} {_WHAT[kind]}: {clean_error(exc)}") from None
-        raise ValueError(f"unknown structured output kind {kind!r}")
+        if GrammarMatcher(compiled, self._stop_token_ids).allows_nothing():
+            # Say "root ::= root", a schema that only refers to itself or the regex [^\s\S]: no text fits.
+            param = f"structured_outputs.{kind}"
+            raise StructuredOutputsError(param, f"{param} allows no output at all: no text can complete it")
+        return compiled
+
+
+def _compile(compiler: xgr.GrammarCompiler, kind: str, spec: str) -> xgr.CompiledGrammar:
+    if kind == "json":
+        return compiler.compile_json_schema(spec, strict_mode=True, **_JSON_OPTIONS)
+    if kind == "json_object":
+        # Any object: strict mode off, else an object schema without properties allows only {}.
+        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **_JSON_OPTIONS)
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "choice":
+        return compiler.compile_grammar(choice_grammar(json.loads(spec)))
+    if kind == "grammar":
+        return compiler.compile_grammar(spec)
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(spec)
+    raise ValueError(f"unknown structured output kind {kind!r}")
 
 
 _WHAT = {

@@ -37,6 +37,7 @@ class GrammarMatcher:
 
     def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Iterable[int]):
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids))
+        self._vocab_size = compiled.tokenizer_info.vocab_size
         self.num_accepted = 0
 
     def accept(self, token_id: int) -> bool:
@@ -62,6 +63,12 @@ class GrammarMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens the grammar allows next into ``bitmask[row]``."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def allows_nothing(self) -> bool:
+        """A dead end: no next token, not even a stop token, fits the grammar (it can never be completed)."""
+        bitmask = xgr.allocate_token_bitmask(1, self._vocab_size)
+        self.fill_bitmask(bitmask, 0)
+        return not bool(bitmask.any())
 
 
 def mask_logits(logits: torch.Tensor, masks: Sequence[TokenBitmaskFiller | None]) -> torch.Tensor:

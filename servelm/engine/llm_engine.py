@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# The client's error when its structured output's grammar leaves no token to sample.
+_DEAD_END = (
+    "The structured output's grammar allows no further token after the text generated so far: no text can complete it."
+)
+
+
 class PromptTooLongError(ValueError):
     """The prompt plus the requested completion exceed the model's context."""
 
@@ -187,16 +193,19 @@ class LLMEngine:
             self._prompt_logprobs.pop(seq.seq_id, None)
         self.output_processor.remove(request_id)
 
-    def fail_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+    def fail_requests(
+        self, request_ids: list[str], message: str | None = None, code: str | None = None
+    ) -> list[RequestOutput]:
         """End requests with an error (e.g. their step raised); returns their final outputs.
 
-        The error a client sees names only its request id: what went wrong
-        is in the server log (logged by the caller under the same id), never
-        in a response.
+        Without a ``message`` the error a client sees names only its request
+        id: what went wrong is in the server log (logged by the caller under
+        the same id), never in a response. A ``code`` makes it the request's
+        own error (:attr:`RequestOutput.error_code`), with ``message`` for the client.
         """
         outputs = []
         for rid in request_ids:
-            out = self.output_processor.fail(rid, f"see the server log under request id {rid}")
+            out = self.output_processor.fail(rid, message or f"see the server log under request id {rid}", code)
             if out is not None:
                 outputs.append(out)
             self.abort_request(rid)
@@ -260,7 +269,7 @@ class LLMEngine:
             ids = list(dict.fromkeys(s.seq.request_id for s in scheduled))
             logger.exception("engine step failed; failing requests %s", ", ".join(ids))
             return self.fail_requests(ids)
-        self._advance_grammars(result)
+        dead_ends = self._advance_grammars(result)
         self.scheduler.update_from_output(
             out, {seq_id: [s.token_id for s in run] for seq_id, run in result.sampled.items()}
         )
@@ -268,26 +277,36 @@ class LLMEngine:
         # refused the token): only their requests fail.
         request_of = {s.seq.seq_id: s.seq.request_id for s in scheduled}
         failed = list(dict.fromkeys(request_of[seq_id] for seq_id in result.failed))
-        outputs = self.fail_requests(failed)
+        dead = {request_of[seq_id] for seq_id in dead_ends}
+        outputs = self.fail_requests([rid for rid in failed if rid not in dead])
+        outputs += self.fail_requests([rid for rid in failed if rid in dead], _DEAD_END, "invalid_structured_output")
         for output in self.output_processor.process(result):
             outputs.append(output)
             if output.finished:
                 self._forget(output.request_id)
         return outputs
 
-    def _advance_grammars(self, result: StepResult) -> None:
+    def _advance_grammars(self, result: StepResult) -> set[int]:
         """Advance each constrained sequence's matcher over its sampled token (never over a recompute).
 
         A token its grammar refuses is taken out of ``result.sampled`` and the
-        sequence counted as failed: the sampler only picks allowed tokens, so
-        this takes NaN logits on every one of them.
+        sequence counted as failed. The sampler only picks allowed tokens, so
+        that takes NaN logits on every one of them, or a grammar that allows
+        no token at all there: returns the sequences at such a dead end
+        (their request's own error, not the engine's).
         """
+        dead_ends = set()
         for seq_id, run in list(result.sampled.items()):
             grammar = self._sampling[seq_id].grammar
             if grammar is None:
                 continue
             refused = next((s.token_id for s in run if not grammar.accept(s.token_id)), None)
-            if refused is not None:
+            if refused is None:
+                continue
+            del result.sampled[seq_id]
+            result.failed.append(seq_id)
+            if grammar.allows_nothing():
+                dead_ends.add(seq_id)
+            else:
                 logger.error("sequence %d sampled token %d, which its grammar does not allow", seq_id, refused)
-                del result.sampled[seq_id]
-                result.failed.append(seq_id)
+        return dead_ends

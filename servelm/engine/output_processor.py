@@ -80,6 +80,7 @@ class _RequestState:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None
     first_scheduled_time: float | None = None
 
     @property
@@ -184,12 +185,13 @@ class OutputProcessor:
                 outputs.append(self._make_output(state))
         return outputs
 
-    def fail(self, request_id: str, message: str) -> RequestOutput | None:
-        """The final output of a request that failed inside the engine (None if unknown)."""
+    def fail(self, request_id: str, message: str, code: str | None = None) -> RequestOutput | None:
+        """The final output of a request that failed inside the engine (None if unknown);
+        ``code``: the request's own error (see :attr:`RequestOutput.error_code`)."""
         state = self._requests.get(request_id)
         if state is None:
             return None
-        state.error = message
+        state.error, state.error_code = message, code
         for choice in state.choices:
             if choice.seq.finish_reason is None:
                 choice.seq.finish_reason = "error"
@@ -312,5 +314,6 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             num_generated_tokens=sum(c.seq.num_generated_tokens for c in state.choices),
             error=state.error,
+            error_code=state.error_code,
             queue_time=None if state.first_scheduled_time is None else state.first_scheduled_time - state.arrival_time,
         )

@@ -105,6 +105,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     error: str | None = None  # set when the request failed inside the engine
+    error_code: str | None = None  # set when that was the request's own error: the API's code for it
     # Seconds from the engine receiving the request to its first scheduling
     # (None until then): the queue time of the request.
     queue_time: float | None = None
@@ -182,5 +183,6 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     total.num_cached_tokens = delta.num_cached_tokens
     total.num_generated_tokens = delta.num_generated_tokens
     total.error = delta.error
+    total.error_code = delta.error_code
     total.queue_time = delta.queue_time
     return total

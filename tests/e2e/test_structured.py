@@ -129,3 +129,24 @@ def test_bad_schema_is_400_naming_the_param(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=CHAT_MODEL, prompt="x", max_tokens=5, extra_body={"guided_regex": "(ab"})
     assert info.value.body["param"] == "guided_regex"
+
+
+def test_a_grammar_no_text_can_complete_is_400(client):
+    # Refused up front when nothing fits at all; when it comes to a dead end as it runs, the request's
+    # own 400 (or, streamed, an error event), never the 500 of an engine failure.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=CHAT_MODEL, prompt="x", max_tokens=5, extra_body={"guided_grammar": "root ::= root"}
+        )
+    assert info.value.body["param"] == "guided_grammar" and "allows no output" in info.value.body["message"]
+    dead_end = {"guided_grammar": 'root ::= "x" rest\nrest ::= rest'}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=CHAT_MODEL, prompt="x", max_tokens=5, extra_body=dead_end)
+    assert info.value.body["code"] == "invalid_structured_output"
+    assert "allows no further token" in info.value.body["message"]
+    with pytest.raises(openai.APIError) as info:
+        for _ in client.completions.create(
+            model=CHAT_MODEL, prompt="x", max_tokens=5, stream=True, extra_body=dead_end
+        ):
+            pass
+    assert "allows no further token" in str(info.value)

@@ -132,7 +132,10 @@ def test_logprobs_stay_the_model_s_raw_logprobs(llm):
     assert [t.token_id for t in first_forced.top] == [t.token_id for t in first_free.top]
     assert first_forced.top[0].logprob == pytest.approx(first_free.top[0].logprob, abs=1e-4)
     assert first_forced.chosen.logprob < first_forced.top[0].logprob
-    assert forced.cumulative_logprob == pytest.approx(sum(p.chosen.logprob for p in forced.logprobs))
+    # The end of text the grammar then forced counts in the cumulative logprob, but has no logprobs entry
+    # (it is not part of the text).
+    assert forced.finish_reason == "stop" and len(forced.logprobs) == len(forced.token_ids) - 1
+    assert forced.cumulative_logprob <= sum(p.chosen.logprob for p in forced.logprobs) + 1e-4
 
 
 def test_max_tokens_truncates_with_length(llm):
@@ -199,6 +202,38 @@ def test_a_bad_spec_fails_before_the_request_is_queued(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"grammar": "root ::= root"},
+        {"regex": "[^\\s\\S]"},
+        {"json": json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})},
+    ],
+)
+def test_a_grammar_no_text_fits_is_refused_up_front(llm, spec):
+    with pytest.raises(StructuredOutputsError, match="allows no output at all") as info:
+        llm.generate(["x"], SamplingParams(structured_outputs=constrained(**spec)))
+    assert info.value.param == f"structured_outputs.{next(iter(spec))}"
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_grammar_that_comes_to_a_dead_end_fails_its_request_alone_as_its_own_error(llm):
+    # "x" fits, then nothing: not even the end of text. The request's error, not the engine's.
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("Say x:")
+    dead_end = constrained(grammar='root ::= "x" rest\nrest ::= rest')
+    engine.add_request("dead", prompt, SamplingParams(max_tokens=8, structured_outputs=dead_end))
+    engine.add_request("free", prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = accumulate(results.get(out.request_id), out)
+    dead = results["dead"]
+    assert dead.finished and dead.error_code == "invalid_structured_output"
+    assert "allows no further token" in dead.error and dead.outputs[0].text == "x"
+    assert results["free"].error is None and len(results["free"].outputs[0].token_ids) == 4
+
+
 def test_a_token_the_grammar_refuses_fails_its_request_alone(llm, monkeypatch):
     # The sampler never picks a refused token (it would take NaN logits): force one, as such a bug would.
     engine = llm.engine
@@ -220,4 +255,5 @@ def test_a_token_the_grammar_refuses_fails_its_request_alone(llm, monkeypatch):
         for out in engine.step():
             results[out.request_id] = accumulate(results.get(out.request_id), out)
     assert results["forced"].error and results["forced"].finished
+    assert results["forced"].error_code is None  # the engine's fault, not the request's
     assert results["free"].error is None and len(results["free"].outputs[0].token_ids) == 4
