@@ -35,11 +35,19 @@ def float32_problem(value: float) -> str | None:
     return None
 
 
+# Most stop strings a request may give.
+MAX_STOP_STRINGS = 64
+# How much of a bad value an error message shows.
+_SHOWN_CHARS = 200
+
+
 def _json(value: object) -> str:
+    """A value for an error message: JSON, cut short (a request may send a megabyte of it)."""
     try:
-        return json.dumps(value, default=str)
+        text = json.dumps(value, default=str)
     except (TypeError, ValueError):
-        return json.dumps(str(value))
+        text = json.dumps(str(value))
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
 
 
 @dataclass
@@ -141,6 +149,10 @@ class SamplingParams:
             bad("prompt_logprobs", "must be an integer >= 0")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            # Every new token is checked against each of them, on the engine's thread: thousands
+            # would slow every request in the batch.
+            bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings (OpenAI takes 4)")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.speculative, bool):

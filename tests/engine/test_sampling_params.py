@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from servelm.engine.sampling_params import SamplingParams, SamplingParamsError
+from servelm.engine.sampling_params import MAX_STOP_STRINGS, SamplingParams, SamplingParamsError
 
 NAN, INF = float("nan"), float("inf")
 
@@ -88,6 +88,7 @@ INVALID = [
     ("stop", [""]),
     ("stop", ["ok", 3]),
     ("stop", 3),
+    ("stop", ["ok"] * (MAX_STOP_STRINGS + 1)),
     ("stop_token_ids", [-1]),
     ("stop_token_ids", ["2"]),
     ("stop_token_ids", 7),
@@ -104,6 +105,15 @@ def test_invalid_value_names_the_field(field, value):
         SamplingParams(**{field: value})
     assert err.value.param == field
     assert field in str(err.value)
+
+
+def test_a_stop_list_at_the_limit_is_fine_and_a_huge_bad_value_is_not_echoed_whole():
+    assert len(SamplingParams(stop=["ok"] * MAX_STOP_STRINGS).stop) == MAX_STOP_STRINGS
+    bias = {t: 1.0 for t in range(50_000)} | {7: 1000.0}
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(logit_bias=bias)
+    assert err.value.param == "logit_bias" and "[-100, 100]" in str(err.value)
+    assert len(str(err.value)) < 500
 
 
 def test_cross_field_checks_name_the_dependent_field():
