@@ -51,6 +51,7 @@ class SamplingState:
     _bias: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, init=False, repr=False
     )
+    _ban: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def logit_bias(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's logit_bias as (token ids, values) tensors, made once per vocabulary size
@@ -65,6 +66,14 @@ class SamplingState:
                 torch.tensor([v for _, v in pairs], dtype=torch.float32, device=device),
             )
         return bias
+
+    def min_tokens_ban(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """The tokens banned while fewer than min_tokens were generated (EOS and the stop tokens), made once."""
+        ban = self._ban.get((vocab, device))
+        if ban is None:
+            ids = sorted(t for t in self.eos_token_ids | set(self.params.stop_token_ids) if 0 <= t < vocab)
+            ban = self._ban[(vocab, device)] = torch.tensor(ids, dtype=torch.long, device=device)
+        return ban
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -137,17 +146,13 @@ class Sampler:
 def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """Apply the stages shared by greedy and random rows; returns a new tensor when any applies."""
     vocab = logits.shape[1]
-    bias_rows = []
-    ban_rows, ban_cols = [], []
-    penalty_rows = []
+    bias_rows, ban_rows, penalty_rows = [], [], []
     for i, s in enumerate(states):
         p = s.params
         if p.logit_bias:
             bias_rows.append(i)
         if s.num_output_tokens < p.min_tokens:
-            banned = [t for t in s.eos_token_ids | set(p.stop_token_ids) if 0 <= t < vocab]
-            ban_rows += [i] * len(banned)
-            ban_cols += banned
+            ban_rows.append(i)
         if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             penalty_rows.append(i)
     if not (bias_rows or ban_rows or penalty_rows):
@@ -158,8 +163,8 @@ def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -
     for i in bias_rows:
         ids, values = states[i].logit_bias(vocab, dev)
         x[i].index_add_(0, ids, values.to(x.dtype))
-    if ban_rows:
-        x[torch.tensor(ban_rows, device=dev), torch.tensor(ban_cols, device=dev)] = float("-inf")
+    for i in ban_rows:
+        x[i, states[i].min_tokens_ban(vocab, dev)] = float("-inf")
     if penalty_rows:
         rows = torch.tensor(penalty_rows, device=dev)
         sub = [states[i] for i in penalty_rows]

@@ -218,6 +218,20 @@ def test_a_whole_vocabulary_logit_bias_adds_up_and_is_read_once_per_sequence():
     assert rows[0].logit_bias(vocab, logits.device) is first
 
 
+def test_the_min_tokens_ban_covers_every_stop_token_and_is_made_once_per_sequence():
+    vocab = 1000
+    logits = torch.zeros(2, vocab)
+    params = SamplingParams(min_tokens=3, max_tokens=5, stop_token_ids=list(range(0, vocab, 2)) + [5000])
+    rows = [state(params, eos={1}), state(params, output=[7, 7, 7], eos={1})]
+    out = apply_logits_processors(logits, rows)
+    banned = torch.isinf(out[0]).nonzero().flatten().tolist()
+    assert banned == sorted([1, *range(0, vocab, 2)])
+    assert not torch.isinf(out[1]).any()  # min_tokens reached: nothing banned
+    first = rows[0].min_tokens_ban(vocab, logits.device)
+    apply_logits_processors(logits, rows)
+    assert rows[0].min_tokens_ban(vocab, logits.device) is first
+
+
 def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
     logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]])
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2])
