@@ -169,7 +169,7 @@ class GenerationRun:
             # all slip past the limit. A batch of prompts is submitted from
             # tasks, so the limit is approximate for batches.
             # The run waits as one sequence per prompt and choice (best_of of them).
-            asks = sequences_asked(len(self.prompts), self.params.best_of, admission.max_waiting)
+            asks = sequences_asked(len(self.prompts), self.params.best_of or self.params.n, admission.max_waiting)
             depth = await self.connector.queue_depth()
             if depth.waiting + asks > admission.max_waiting:
                 raise self._overloaded(

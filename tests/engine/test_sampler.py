@@ -221,7 +221,7 @@ def test_a_whole_vocabulary_logit_bias_adds_up_and_is_read_once_per_sequence():
 def test_the_min_tokens_ban_covers_every_stop_token_and_is_made_once_per_sequence():
     vocab = 1000
     logits = torch.zeros(2, vocab)
-    params = SamplingParams(min_tokens=3, max_tokens=5, stop_token_ids=list(range(0, vocab, 2)) + [5000])
+    params = SamplingParams(min_tokens=3, max_tokens=5, stop_token_ids=[*range(0, vocab, 2), 5000])
     rows = [state(params, eos={1}), state(params, output=[7, 7, 7], eos={1})]
     out = apply_logits_processors(logits, rows)
     banned = torch.isinf(out[0]).nonzero().flatten().tolist()
