@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from servelm.connectors.base import (
@@ -36,6 +40,48 @@ def _engine_dead(exc: Exception) -> ConnectorError:
     )
 
 
+class _EmbeddingCancelled(Exception):
+    """Ends the thread of an embeddings request whose caller has gone (nobody receives it)."""
+
+
+class TurnLock:
+    """A lock handed to its waiters in the order they asked: the encoder's turns.
+
+    Embeddings requests run their sub-batches one at a time through it, so a
+    request that arrives while a big one runs is served between the big
+    one's sub-batches. ``threading.Lock`` would not do that: a thread that
+    releases it and asks again at once nearly always gets it back before a
+    waiter wakes.
+    """
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._held = False
+        self._waiters: deque[threading.Lock] = deque()
+
+    @property
+    def waiting(self) -> int:
+        """How many threads wait for their turn."""
+        return len(self._waiters)
+
+    def __enter__(self) -> None:
+        with self._mutex:
+            if not self._held:
+                self._held = True
+                return
+            waiter = threading.Lock()
+            waiter.acquire()
+            self._waiters.append(waiter)
+        waiter.acquire()  # released by __exit__, which hands the lock over still held
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._mutex:
+            if self._waiters:
+                self._waiters.popleft().release()
+            else:
+                self._held = False
+
+
 class LocalConnector:
     """Serve a decoder model and an optional embedding model from this process.
 
@@ -56,7 +102,7 @@ class LocalConnector:
         self.served_model_name = served_model_name or model
         self.engine = None  # AsyncLLMEngine once loaded
         self.embedder = None  # EmbeddingEngine once loaded
-        self._embed_lock = threading.Lock()  # the encoder runs one batch at a time
+        self._embed_turns = TurnLock()  # the encoder runs one sub-batch at a time
         self._loaded = False
         self._load_error: str | None = None
         self._created = int(time.time())
@@ -110,11 +156,15 @@ class LocalConnector:
         return self.engine
 
     def _embedder(self, model: str):
-        if self.embedder is None or model != self.embedding_model:
+        if not self._serves_embeddings(model):
             raise ModelNotFound(model)
         return self.embedder
 
+    def _serves_embeddings(self, model: str) -> bool:
+        return self.embedder is not None and model == self.embedding_model
+
     def _tokenizer_for(self, model: str):
+        """The decoder's tokenizer (the embedding model's text goes through :attr:`embedder`)."""
         if self.engine is not None and model == self.served_model_name:
             return self.engine.engine.tokenizer
         raise ModelNotFound(model)
@@ -234,17 +284,29 @@ class LocalConnector:
         ]
 
     async def embed(self, model: str, inputs: list[str] | list[list[int]]) -> list[EmbeddingOutput]:
-        embedder = self._embedder(model)
+        """Embeddings of ``inputs``, sub-batch by sub-batch, taking turns with other requests.
 
-        def run() -> list[EmbeddingOutput]:
-            with self._embed_lock:
-                return embedder.embed(inputs)
+        A cancelled call (its client gone) stops its work before the next
+        sub-batch: the thread can't be interrupted, but it asks at each turn.
+        """
+        embedder = self._embedder(model)
+        cancelled = threading.Event()
+
+        @contextmanager
+        def turn() -> Iterator[None]:
+            with self._embed_turns:
+                if cancelled.is_set():
+                    raise _EmbeddingCancelled
+                yield
 
         from servelm.engine.embedding_engine import InputTooLongError
 
         try:
             # Not in asyncio's worker threads, which live on: see servelm/platform/threads.py.
-            return await in_passing_thread(run, name="servelm-embed")
+            return await in_passing_thread(lambda: embedder.embed(inputs, batch_turn=turn), name="servelm-embed")
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
         except InputTooLongError as exc:
             raise ContextLengthExceeded(str(exc), param="input") from None
         except ValueError as exc:
@@ -254,21 +316,27 @@ class LocalConnector:
     # (see servelm.engine.off_loop), so they never stall the event loop.
 
     async def tokenize(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.embedder is not None and model == self.embedding_model:
-            return await run_sized(len(text), self.embedder.tokenize, text)
+        if self._serves_embeddings(model):
+            return await run_sized(len(text), self.embedder.tokenize, text, add_special_tokens=add_special_tokens)
         tokenizer = self._tokenizer_for(model)
         return await run_sized(len(text), tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
-        tokenizer = self._tokenizer_for(model)
+        if self._serves_embeddings(model):
+            embedder = self.embedder
+            vocab_size, decode = embedder.vocab_size, embedder.detokenize
+        else:
+            tokenizer = self._tokenizer_for(model)
+            vocab_size = tokenizer.vocab_size
+            decode = partial(tokenizer.decode, skip_special_tokens=False)
 
-        def decode() -> str:
-            outside = vocabulary_error(token_ids, tokenizer.vocab_size)
+        def checked_decode() -> str:
+            outside = vocabulary_error(token_ids, vocab_size)
             if outside is not None:
                 raise ConnectorError(outside, param="tokens")
-            return tokenizer.decode(token_ids, skip_special_tokens=False)
+            return decode(token_ids)
 
-        return await run_sized(len(token_ids), decode)
+        return await run_sized(len(token_ids), checked_decode)
 
     async def apply_chat_template(
         self,

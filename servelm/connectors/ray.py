@@ -196,8 +196,14 @@ class RayConnector:
             raise self._not_deployed()
         last: BaseException | None = None
         for _ in range(CALL_ATTEMPTS):
+            response = self.handle.call.remote(method, *args, **kwargs)
             try:
-                result = await self.handle.call.remote(method, *args, **kwargs)
+                result = await response
+            except asyncio.CancelledError:
+                # The client left: Serve does not cancel the replica's call by itself. Cancelled
+                # there, an embeddings request stops after the sub-batch it is running.
+                response.cancel()
+                raise
             except Exception as exc:
                 if not is_replica_failure(exc):
                     raise

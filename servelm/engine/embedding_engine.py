@@ -8,6 +8,8 @@ so the vectors match what ``SentenceTransformer(folder).encode`` gives.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,9 +78,12 @@ class EmbeddingEngine:
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
         max_batch_size: int = 32,
+        max_batch_tokens: int = 2048,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         self.name = name_or_path
         folder = resolve_model_path(name_or_path)
         if not folder.is_dir():
@@ -87,6 +92,7 @@ class EmbeddingEngine:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
         model_folder = self.sentence_config.model_folder
         self.model = BertModel.from_pretrained(model_folder, dtype=self.dtype, device=self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_folder), local_files_only=True)
@@ -97,29 +103,68 @@ class EmbeddingEngine:
         pad_id = self.tokenizer.pad_token_id
         self.pad_token_id: int = config.pad_token_id if pad_id is None else pad_id
 
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` with the special tokens the model expects ([CLS] ... [SEP])."""
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to ``vocab_size - 1``."""
+        return int(self.model.config.vocab_size)
 
-    def embed(self, inputs: list[str] | list[list[int]]) -> list[EmbeddingOutput]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, by default with the special tokens the model expects ([CLS] ... [SEP])."""
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens included (ids are not checked: see :attr:`vocab_size`)."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    def embed(
+        self,
+        inputs: list[str] | list[list[int]],
+        batch_turn: Callable[[], AbstractContextManager[object]] = nullcontext,
+    ) -> list[EmbeddingOutput]:
         """One embedding per input, in input order.
 
         Strings are tokenised with special tokens; token id lists are used as
         given. Every input is checked before any is run, so a bad one fails
         the whole call with a ValueError and no work is wasted.
+
+        The inputs run in sub-batches (see :meth:`_sub_batches`), each inside
+        ``batch_turn()``: a caller that shares the encoder takes turns there
+        with other calls, and stops this one by raising from it.
         """
         token_ids = self._to_token_ids(inputs)
         for i, ids in enumerate(token_ids):
             self._check(i, ids)
-        # Chunks of similar lengths waste less compute on padding.
-        order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
         results: list[EmbeddingOutput | None] = [None] * len(token_ids)
-        for start in range(0, len(order), self.max_batch_size):
-            chunk = order[start : start + self.max_batch_size]
-            vectors = self._embed_batch([token_ids[i] for i in chunk])
+        for chunk in self._sub_batches(token_ids):
+            with batch_turn():
+                vectors = self._embed_batch([token_ids[i] for i in chunk])
             for i, vector in zip(chunk, vectors):
                 results[i] = EmbeddingOutput(embedding=vector, num_tokens=len(token_ids[i]))
         return results  # type: ignore[return-value]  # every slot was filled above
+
+    def _sub_batches(self, token_ids: list[list[int]]) -> list[list[int]]:
+        """Input indices in sub-batches of similar lengths, each within both batch limits.
+
+        Similar lengths waste less compute on padding. The token limit (rows
+        times the longest row, padding included) bounds how long one
+        sub-batch runs, so that callers taking turns wait about as long for
+        long inputs as for short ones; on a CPU the encoder runs no faster
+        in bigger batches than the default's.
+        """
+        order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
+        batches: list[list[int]] = []
+        for i in order:
+            # Sorted by length, so input i would be the longest row of the last batch.
+            last = batches[-1] if batches else []
+            if (
+                last
+                and len(last) < self.max_batch_size
+                and (len(last) + 1) * len(token_ids[i]) <= self.max_batch_tokens
+            ):
+                last.append(i)
+            else:
+                batches.append([i])
+        return batches
 
     def _to_token_ids(self, inputs: list[str] | list[list[int]]) -> list[list[int]]:
         texts = [x for x in inputs if isinstance(x, str)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine, Generator
 from types import SimpleNamespace
 from typing import Any
 
@@ -59,6 +59,19 @@ class ServeStream:
         self._queue.put_nowait(exc)
 
 
+class ServeCall:
+    """A unary call's response, as Serve's: awaitable, and ``cancel()`` cancels it on the replica."""
+
+    def __init__(self, call: Coroutine[Any, Any, Any]):
+        self._task = asyncio.ensure_future(call)
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return asyncio.shield(self._task).__await__()  # as Serve: the caller's cancellation stays the caller's
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+
 class StandInEngine:
     """Base of the scripted engines a test puts in a replica (the replica's connector)."""
 
@@ -97,8 +110,14 @@ class Handle:
     def options(self, **_: Any) -> Handle:
         return self
 
-    async def _call(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return {"ok": self.answers[method]}
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> ServeCall:
+        """``answers[method]``: the answer, or an async function of the call's arguments that makes it."""
+        answer = self.answers[method]
+
+        async def run() -> dict[str, Any]:
+            return {"ok": await answer(*args, **kwargs) if callable(answer) else answer}
+
+        return ServeCall(run())
 
     def _stream(self, replica_id: str, items: AsyncIterator[Any]) -> ServeStream:
         stream = ServeStream(items)

@@ -12,6 +12,7 @@ three times, then gets docs/API.md's 503 ``replica_failed``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -230,3 +231,26 @@ async def test_a_request_whose_replicas_keep_dying_gets_the_documented_503(deplo
             if json.loads(e).get("choices")
         )
         assert text == "aaaa"  # one token from each replica, none lost or repeated
+
+
+async def test_a_call_whose_client_left_is_cancelled_on_the_replica_too(deployment):
+    # Serve leaves a unary call running when its caller is cancelled; the connector cancels it.
+    connector, _, handle = deployment
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def slow_embed(model: str, inputs: list[str]) -> list[Any]:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return []
+
+    handle.answers["embed"] = slow_embed
+    call = asyncio.create_task(connector.embed("fake-embed", ["x"]))
+    await started.wait()
+    call.cancel()  # what the API does when the client hangs up
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await cancelled.wait()

@@ -519,3 +519,20 @@ def test_disconnect_mid_stream_aborts_the_request():
             )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 4
+
+
+# --- tokenize / detokenize with the embedding model ------------------------------
+
+
+def test_tokenize_and_detokenize_with_the_embedding_model(http):
+    hello = [101, 7592, 102]  # [CLS] hello [SEP]
+    r = http.post("/tokenize", json={"model": EMBEDDING_MODEL, "prompt": "hello"})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == hello
+    r = http.post("/tokenize", json={"model": EMBEDDING_MODEL, "prompt": "hello", "add_special_tokens": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == [7592]
+    r = http.post("/detokenize", json={"model": EMBEDDING_MODEL, "tokens": hello})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"prompt": "[CLS] hello [SEP]"}
+    _assert_error(http.post("/detokenize", json={"model": EMBEDDING_MODEL, "tokens": [30522]}), 400, param="tokens")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -172,3 +173,57 @@ def test_plain_folder_defaults_to_normalised_mean(folder, tmp_path, engine):
     (got,) = plain.embed([TEXTS[0]])
     (want,) = engine.embed([TEXTS[0]])
     torch.testing.assert_close(torch.tensor(got.embedding), torch.tensor(want.embedding), atol=1e-6, rtol=0)
+
+
+def test_sub_batches_keep_within_both_limits(engine, monkeypatch):
+    lengths = [3, 250, 7, 7, 64, 128, 5, 200, 31, 7, 7]
+    token_ids = [[101] * n for n in lengths]
+    monkeypatch.setattr(engine, "max_batch_size", 3)
+    monkeypatch.setattr(engine, "max_batch_tokens", 100)
+    batches = engine._sub_batches(token_ids)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))  # each input once
+    runs = [lengths[i] for batch in batches for i in batch]
+    assert runs == sorted(runs)  # similar lengths together
+    for batch in batches:
+        assert len(batch) <= 3
+        # Rows times the longest row; an input longer than the limit runs alone.
+        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 100
+    assert [len(batch) for batch in batches] == [3, 3, 1, 1, 1, 1, 1]
+
+
+def test_sub_batches_by_tokens_give_the_same_embeddings(engine, monkeypatch):
+    whole = engine.embed(TEXTS)
+    monkeypatch.setattr(engine, "max_batch_tokens", 24)  # several sub-batches, the longest text alone
+    assert len(engine._sub_batches([engine.tokenize(text) for text in TEXTS])) > 2
+    for got, want in zip(engine.embed(TEXTS), whole):
+        assert got.num_tokens == want.num_tokens
+        torch.testing.assert_close(torch.tensor(got.embedding), torch.tensor(want.embedding), atol=1e-5, rtol=0)
+
+
+def test_each_sub_batch_runs_in_a_turn_and_a_turn_can_stop_the_call(engine, monkeypatch):
+    monkeypatch.setattr(engine, "max_batch_size", 2)
+    turns: list[str] = []
+
+    @contextlib.contextmanager
+    def turn():
+        turns.append("in")
+        yield
+        turns.append("out")
+
+    assert len(engine.embed(TEXTS, batch_turn=turn)) == len(TEXTS)
+    assert turns == ["in", "out"] * 3
+
+    class Stop(Exception):
+        pass
+
+    def stop():
+        raise Stop
+
+    with pytest.raises(Stop):
+        engine.embed(TEXTS, batch_turn=stop)
+
+
+def test_tokenize_without_special_tokens_and_detokenize(engine):
+    assert engine.tokenize("hello", add_special_tokens=False) == [7592]
+    assert engine.detokenize(engine.tokenize("hello world")) == "[CLS] hello world [SEP]"
+    assert engine.vocab_size == 30522
