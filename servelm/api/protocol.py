@@ -109,6 +109,9 @@ class ChatMessage(RequestModel):
     tool_call_id: str | None = Field(None, description="For role tool: the call this message answers.")
     tool_calls: list[ToolCallParam] | None = Field(None, description="For role assistant: the calls it made.")
     refusal: str | None = Field(None, description="For role assistant: rendered as the content when content is null.")
+    annotations: list[Any] | None = Field(
+        None, description="For role assistant: accepted and ignored (a reply's message sent back as it came)."
+    )
     audio: dict[str, Any] | None = Field(None, description="Not supported; rejected.")
     function_call: dict[str, Any] | None = Field(None, description="Not supported (deprecated); rejected.")
 

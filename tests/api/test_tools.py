@@ -246,7 +246,8 @@ async def test_a_tool_result_round_trips_to_the_template(client, fake):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages = [
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
+        # The reply's message sent back as it came, with its refusal and annotations.
+        {"role": "assistant", "content": None, "refusal": None, "annotations": [], "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "21 C"}]},
     ]
     r = await chat(client, messages=messages, tools=[WEATHER])
