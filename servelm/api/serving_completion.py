@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from servelm.api.access_log import response_id
-from servelm.api.errors import APIError, context_length_exceeded
+from servelm.api.errors import APIError, context_length_exceeded, with_param_renamed
 from servelm.api.generation_run import ChoiceDelta, ChoiceResult, GenerationRun
 from servelm.api.logprobs import TextOffsets, legacy_logprobs
 from servelm.api.protocol import CompletionRequest
@@ -166,8 +166,7 @@ class ServingCompletion(GenerationServing):
         try:
             return await self.connector.detokenize(model, ids)
         except ConnectorError as exc:
-            exc.param = "prompt" if count == 1 else f"prompt[{index}]"
-            raise
+            raise with_param_renamed(exc, {"tokens": "prompt" if count == 1 else f"prompt[{index}]"}) from None
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
