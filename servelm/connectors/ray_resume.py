@@ -76,7 +76,11 @@ def resume_request(request: dict[str, Any], progress: _Progress, attempt: int) -
             code="replica_failed",
         )
     done = len(progress.token_ids)
-    changes: dict[str, Any] = {"prompt_logprobs": None, "min_tokens": max(params.min_tokens - done, 0)}
+    changes: dict[str, Any] = {
+        "prompt_logprobs": None,
+        "min_tokens": max(params.min_tokens - done, 0),
+        "prior_output_token_ids": list(progress.token_ids),  # still output for the penalties
+    }
     if params.max_tokens is not None:
         changes["max_tokens"] = max(params.max_tokens - done, 1)
     new["params"] = dataclasses.replace(params, **changes)

@@ -171,7 +171,7 @@ def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -
         x[rows] = apply_penalties(
             x[rows],
             [s.prompt_token_ids for s in sub],
-            [s.output_token_ids for s in sub],
+            [s.params.prior_output_token_ids + s.output_token_ids for s in sub],
             [s.params.repetition_penalty for s in sub],
             [s.params.frequency_penalty for s in sub],
             [s.params.presence_penalty for s in sub],

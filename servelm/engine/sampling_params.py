@@ -85,11 +85,15 @@ class SamplingParams:
     tool_call_parser: str | None = None
     # False: never speculate for this request; True: speculate where the engine has a method and it applies.
     speculative: bool = True
+    # Not an API field. Tokens this request generated before it was resumed here (a Ray replica
+    # failover, servelm/connectors/ray_resume.py): they end the prompt, and the frequency and
+    # presence penalties still count them as output, so the continuation is the one without the cut.
+    prior_output_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "prior_output_token_ids"):
             try:
                 setattr(self, name, list(getattr(self, name) or []))
             except TypeError:

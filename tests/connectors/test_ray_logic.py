@@ -137,6 +137,9 @@ async def test_a_dead_replica_is_resumed_from_the_tokens_sent():
     second, third = replicas.requests[1], replicas.requests[2]
     assert second["prompt"] == [1, 2, 3, 100, 101] and second["params"].max_tokens == 4
     assert third["prompt"] == [1, 2, 3, 100, 101, 102, 103, 104] and third["params"].max_tokens == 1
+    # The tokens before each cut stay output for the frequency and presence penalties.
+    assert second["params"].prior_output_token_ids == [100, 101]
+    assert third["params"].prior_output_token_ids == [100, 101, 102, 103, 104]
     assert len({r["request_id"] for r in replicas.requests}) == 3
     assert second["params"].temperature == 0
 

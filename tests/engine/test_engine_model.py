@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -64,6 +66,29 @@ def test_batch_invariance_with_chunked_prefill():
     assert together == alone
     # The budget forced chunking: the longest prompt needs several steps.
     assert max(len(p) for p in prompts) > 64
+
+
+def test_a_resumed_request_continues_as_without_the_cut_under_output_penalties(llm):
+    # A Ray replica failover sends the prompt plus the tokens generated so far
+    # (servelm/connectors/ray_resume.py); the frequency and presence penalties
+    # must still count those tokens as output, or greedy text changes at the cut.
+    prompt = llm.tokenizer.encode("List ten famous landmarks, one per line:\n1.")
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5)
+    whole = llm.generate([prompt], params)[0].outputs[0].token_ids
+    cut = 15
+    resumed = SamplingParams(
+        temperature=0.0,
+        max_tokens=40 - cut,
+        ignore_eos=True,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        prior_output_token_ids=whole[:cut],
+    )
+    rest = llm.generate([prompt + whole[:cut]], resumed)[0].outputs[0].token_ids
+    assert whole[:cut] + rest == whole
+    # Without them the penalties start afresh at the cut, and this text does change there.
+    forgetful = dataclasses.replace(resumed, prior_output_token_ids=[])
+    assert llm.generate([prompt + whole[:cut]], forgetful)[0].outputs[0].token_ids != rest
 
 
 def test_prefix_cache_reuses_blocks(llm):
