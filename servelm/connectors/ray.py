@@ -78,6 +78,8 @@ class RayConnector:
         self._deployed = False
         self._cluster: Any = None
         self._streams: dict[str, Any] = {}  # request id -> its current replica stream
+        # Attempts sent that have no output yet -> their sequences (see queue_depth).
+        self._unstarted: dict[str, int] = {}
         self._channels = Channels(self._open_channel)
 
     # -- lifecycle -----------------------------------------------------
@@ -178,8 +180,18 @@ class RayConnector:
         return self._load_error
 
     async def queue_depth(self) -> QueueDepth:
+        """The live replicas' last reported figures, plus the requests sent from here since.
+
+        The reports are up to about half a second old (``ray_stats.py``), so
+        a request sent from here waits, as far as ``--max-waiting`` goes,
+        until it has its first output or a report shows its replica's
+        engine holding it; otherwise a burst would pass the limit whole.
+        """
         stats = self._stats()
-        return QueueDepth() if stats is None else stats.queue_depth()
+        depth = QueueDepth() if stats is None else stats.queue_depth()
+        held = set() if stats is None else stats.request_ids()
+        unseen = sum(n for attempt, n in self._unstarted.items() if attempt not in held)
+        return QueueDepth(running=depth.running, waiting=depth.waiting + unseen)
 
     async def engine_stats(self) -> list[EngineStats]:
         stats = self._stats()
@@ -255,27 +267,32 @@ class RayConnector:
     async def generate(
         self, model: str, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        # Unknown models fail here, before any replica is asked.
-        cards = await self.models()
-        if not any(c.id == model and c.kind == "generate" for c in cards):
-            from servelm.connectors.base import ModelNotFound
-
-            if any(c.id == model for c in cards):
-                raise ConnectorError(f"The model `{model}` does not support generation.", param="model")
-            raise ModelNotFound(model)
-        request = {
-            "model": model,
-            "request_id": request_id,
-            "prompt": prompt,
-            "params": params,
-            "prefix_routing": self.prefix_routing,
-        }
-        stream = resumable_stream(request, lambda r: self._open(request_id, r), is_replica_failure)
+        # Counted before the first await, so the next request's admission sees it (queue_depth).
+        self._unstarted[request_id] = params.best_of or 1
         try:
-            async for out in stream:
-                yield out
+            # Unknown models fail here, before any replica is asked.
+            cards = await self.models()
+            if not any(c.id == model and c.kind == "generate" for c in cards):
+                from servelm.connectors.base import ModelNotFound
+
+                if any(c.id == model for c in cards):
+                    raise ConnectorError(f"The model `{model}` does not support generation.", param="model")
+                raise ModelNotFound(model)
+            request = {
+                "model": model,
+                "request_id": request_id,
+                "prompt": prompt,
+                "params": params,
+                "prefix_routing": self.prefix_routing,
+            }
+            stream = resumable_stream(request, lambda r: self._open(request_id, r), is_replica_failure)
+            try:
+                async for out in stream:
+                    yield out
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]  # an async generator
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]  # an async generator
+            self._unstarted.pop(request_id, None)
 
     def _not_deployed(self) -> ConnectorError:
         return ConnectorError(
@@ -298,11 +315,13 @@ class RayConnector:
         mailbox = self._channels.mailbox(attempt)
         response = self.handle.options(stream=True).generate.remote({**request, "channel": self._channels.id})
         self._streams[request_id] = response
+        self._unstarted[attempt] = request["params"].best_of or 1  # a resumed attempt starts again
         watcher = asyncio.create_task(self._watch(attempt, response, mailbox))
         ended = False
         try:
             while True:
                 item = await mailbox.get()
+                self._unstarted.pop(attempt, None)
                 if isinstance(item, BaseException):
                     raise item
                 ended = isinstance(item, dict) or item.finished
@@ -310,6 +329,7 @@ class RayConnector:
                 if ended:
                     return
         finally:
+            self._unstarted.pop(attempt, None)
             watcher.cancel()
             self._channels.close(attempt)
             if self._streams.get(request_id) is response:

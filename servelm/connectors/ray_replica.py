@@ -210,6 +210,8 @@ class EngineReplica:
 
     def _stats(self) -> dict[str, Any]:
         engine = self.connector.engine
+        # Read before the figures, so that every request listed is counted in them.
+        held = sorted(engine.request_ids()) if engine is not None else []
         stats = [asdict(s) for s in _sync(self.connector.engine_stats())]
         depth = _sync(self.connector.queue_depth())
         alive = engine is None or engine.is_alive
@@ -225,6 +227,7 @@ class EngineReplica:
             "waiting": depth.waiting,
             "kv_cache_usage": stats[0]["kv_cache_usage"] if stats else 0.0,
             "engines": stats,
+            "request_ids": held,
         }
 
     # -- the stats push ------------------------------------------------

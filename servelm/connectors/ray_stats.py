@@ -73,6 +73,10 @@ class DeploymentStats:
         live = self.live()
         return QueueDepth(running=sum(s["running"] for s in live), waiting=sum(s["waiting"] for s in live))
 
+    def request_ids(self) -> set[str]:
+        """The requests the live replicas' engines held when they last reported."""
+        return {rid for s in self.live() for rid in s.get("request_ids", ())}
+
     def engine_stats(self) -> list[EngineStats]:
         """Each live replica's engine figures (``replica`` set) and, per model, their sum (``replica`` None)."""
         per_replica: list[EngineStats] = []

@@ -77,6 +77,11 @@ class AsyncLLMEngine:
         """Requests submitted but not yet handed to the engine (read without the lock: a snapshot)."""
         return len(self._inbox)
 
+    def request_ids(self) -> set[str]:
+        """The ids of the requests submitted and not yet ended: those its queue figures count."""
+        with self._lock:
+            return set(self._streams)
+
     # -- requests ------------------------------------------------------
 
     async def generate(

@@ -35,7 +35,14 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 
 def snapshot(
-    replica: str, *, running: int = 0, waiting: int = 0, kv: float = 0.0, state: str = "RUNNING", age_s: float = 0.0
+    replica: str,
+    *,
+    running: int = 0,
+    waiting: int = 0,
+    kv: float = 0.0,
+    state: str = "RUNNING",
+    age_s: float = 0.0,
+    request_ids: list[str] | None = None,
 ) -> dict[str, Any]:
     """One replica's entry on the stats board, as ``EngineReplica`` pushes it."""
     return {
@@ -47,6 +54,7 @@ def snapshot(
         "running": running,
         "waiting": waiting,
         "kv_cache_usage": kv,
+        "request_ids": request_ids or [],
         "received": time.time() - age_s,
         "engines": [
             {
@@ -67,8 +75,11 @@ class ShortReplyEngine(StandInEngine):
 
     def __init__(self) -> None:
         self.dying = False
+        self.gate: asyncio.Event | None = None  # set: each reply waits for it
 
     async def generate(self, model: str, request_id: str, prompt, params) -> AsyncIterator[RequestOutput]:
+        if self.gate is not None:
+            await self.gate.wait()
         if self.dying:
             out = CompletionOutput(index=0, text="a", token_ids=[7])
             yield RequestOutput(request_id, None, list(prompt), [out], delta=True, num_generated_tokens=1)
@@ -180,6 +191,44 @@ async def test_max_waiting_counts_the_requests_waiting_on_every_replica(deployme
         board[:] = [snapshot("a", waiting=2), snapshot("b", waiting=2, age_s=60)]
         await connector.refresh_stats()
         assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
+async def test_max_waiting_holds_for_a_burst_the_replicas_have_not_reported_yet(deployment):
+    connector, board, handle = deployment
+    handle.engine.gate = gate = asyncio.Event()  # no reply until the test says
+    board[:] = [snapshot("a"), snapshot("b")]
+    await connector.refresh_stats()
+    async with client(connector, max_waiting=4) as c:
+        burst = [asyncio.create_task(c.post("/v1/chat/completions", json={**CHAT, "n": 2})) for _ in range(5)]
+        # The board still says nothing waits: only what this front end sent counts. Two requests
+        # of two sequences each fill the queue of 4, and the other three are refused at once.
+        refused = [t for t in burst if t.done() or await _done_soon(t)]
+        assert [t.result().status_code for t in refused] == [429, 429, 429]
+        assert [t.result().json()["error"]["code"] for t in refused] == ["queue_full"] * 3
+        sent = list(connector._unstarted)
+        assert len(sent) == 2 and len(handle.generated) == 2
+
+        # Once a report shows the replicas' engines holding them, they count there and only there.
+        board[:] = [snapshot("a", waiting=2, request_ids=sent[:1]), snapshot("b", waiting=2, request_ids=sent[1:])]
+        await connector.refresh_stats()
+        assert (await connector.queue_depth()).waiting == 4
+        board[:] = [snapshot("a", waiting=1, request_ids=sent[:1]), snapshot("b", running=2, request_ids=sent[1:])]
+        await connector.refresh_stats()
+        assert (await connector.queue_depth()).waiting == 1
+
+        gate.set()
+        admitted = [t for t in burst if t not in refused]
+        assert [(await t).status_code for t in admitted] == [200, 200]
+        assert connector._unstarted == {}  # a request with output waits no more
+
+
+async def _done_soon(task: asyncio.Task) -> bool:
+    """Whether ``task`` ends while the loop has nothing else to do (a refused request does)."""
+    for _ in range(1000):
+        if task.done():
+            return True
+        await asyncio.sleep(0)
+    return False
 
 
 async def test_replicas_and_metrics_show_each_replica_and_the_sum(deployment):

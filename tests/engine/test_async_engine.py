@@ -50,8 +50,11 @@ async def test_leaving_the_stream_aborts_and_frees_blocks(engine):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     stream = engine.generate("leaver", "Write a very long essay:", params)
     async for _ in stream:
+        # Held from submission: a Ray replica lists these ids beside its queue figures.
+        assert engine.request_ids() == {"leaver"}
         break
     await stream.aclose()
+    assert engine.request_ids() == set()
     bm = engine.engine.block_manager
     for _ in range(100):
         if not engine.engine.has_unfinished_requests():

@@ -73,7 +73,9 @@ def test_a_resumed_request_continues_as_without_the_cut_under_output_penalties(l
     # (servelm/connectors/ray_resume.py); the frequency and presence penalties
     # must still count those tokens as output, or greedy text changes at the cut.
     prompt = llm.tokenizer.encode("List ten famous landmarks, one per line:\n1.")
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5
+    )
     whole = llm.generate([prompt], params)[0].outputs[0].token_ids
     cut = 15
     resumed = SamplingParams(
