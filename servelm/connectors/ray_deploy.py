@@ -24,6 +24,8 @@ HEALTH_CHECK_PERIOD_S = 2.0
 DEPLOY_TIMEOUT_S = 600.0
 # Serve's own message when a replica waits for resources this long (its default is 30 s).
 PLACEMENT_WAIT_S = 30.0
+# Room for the front ends' channels (one per front end and replica) beside the requests.
+CHANNEL_CALLS = 64
 
 
 @dataclass
@@ -81,6 +83,17 @@ class ReplicaPlan:
         }
 
 
+def max_ongoing_requests(max_num_seqs: int, max_waiting: int | None) -> int:
+    """Serve calls one replica takes at once: more than the requests it may ever hold.
+
+    Every request the cluster admits could be on one replica (``max_num_seqs``
+    running, ``max_waiting`` queued), and each front end's channel there is a
+    call too (``CHANNEL_CALLS``). Below that, Serve would queue a front end's
+    channel behind the very requests whose outputs it must carry.
+    """
+    return max(max_num_seqs * 4, max_num_seqs + (max_waiting or 0)) + CHANNEL_CALLS
+
+
 def plan_from_settings(settings: Any) -> ReplicaPlan:
     """The :class:`ReplicaPlan` of ``servelm serve``'s settings."""
     return ReplicaPlan(
@@ -96,7 +109,7 @@ def plan_from_settings(settings: Any) -> ReplicaPlan:
         replica_cpus=settings.replica_cpus,
         replica_gpus=settings.replica_gpus,
         prefix_routing=settings.prefix_routing,
-        max_ongoing_requests=max(settings.max_num_seqs * 4, 64),
+        max_ongoing_requests=max_ongoing_requests(settings.max_num_seqs, settings.max_waiting),
         attach_if_running=settings.replicas is None and settings.min_replicas is None and settings.max_replicas is None,
     )
 

@@ -340,6 +340,16 @@ def test_the_serve_app_follows_the_settings():
     )
 
 
+def test_a_replica_takes_every_request_the_cluster_admits_and_the_channels_besides():
+    # Serve queues calls past max_ongoing_requests: a front end's channel must never wait
+    # behind the requests whose outputs it carries, even with all of them on one replica.
+    from servelm.connectors.ray_deploy import CHANNEL_CALLS, plan_from_settings
+
+    for seqs, waiting in ((2, 256), (256, 256), (8, None), (64, 4096)):
+        plan = plan_from_settings(Settings(replicas=2, max_num_seqs=seqs, max_waiting=waiting))
+        assert plan.max_ongoing_requests >= seqs + (waiting or 0) + CHANNEL_CALLS
+
+
 def _serve_joining(address: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """``servelm serve --ray-address address`` run to its exit, without this process's SERVELM_* settings."""
     cmd = [sys.executable, "-m", "servelm", "serve", "--embedding-model", "none", "--port", "0"]
