@@ -7,6 +7,8 @@ pid, node) to a small named actor, the :class:`StatsBoard`, every
 ``STATS_PERIOD_S``; the front end polls the board and keeps the last
 snapshot, so ``queue_depth()`` (called before every request) never waits on
 Ray. A replica that stops reporting for ``STALE_AFTER_S`` counts as down.
+Ages are measured on the board's clock and then the front end's, never
+across the two: machines' clocks may disagree by more than that.
 """
 
 from __future__ import annotations
@@ -38,14 +40,15 @@ class StatsBoard:
         self.entries: dict[str, dict[str, Any]] = {}
 
     def put(self, snapshot: dict[str, Any]) -> None:
-        snapshot["received"] = time.time()
+        snapshot["received"] = time.monotonic()
         self.entries[snapshot["replica"]] = snapshot
 
     def get(self) -> list[dict[str, Any]]:
-        now = time.time()
+        """The snapshots, each with its ``age``: seconds since the board received it."""
+        now = time.monotonic()
         for key in [k for k, v in self.entries.items() if now - v["received"] > FORGET_AFTER_S]:
             del self.entries[key]
-        return list(self.entries.values())
+        return [dict(v, age=now - v["received"]) for v in self.entries.values()]
 
 
 def stats_board(name: str, namespace: str):
@@ -61,12 +64,15 @@ class DeploymentStats:
     """The front end's view of the replicas, from the board's last snapshot."""
 
     snapshots: list[dict[str, Any]] = field(default_factory=list)
-    read_at: float = 0.0
+    read_at: float = field(default_factory=time.monotonic)  # when the board was read (this clock)
 
-    def live(self, now: float | None = None) -> list[dict[str, Any]]:
+    def age(self, snapshot: dict[str, Any]) -> float:
+        """Seconds since the board received ``snapshot``: its age at the read, plus the time since."""
+        return snapshot["age"] + time.monotonic() - self.read_at
+
+    def live(self) -> list[dict[str, Any]]:
         """Snapshots of replicas that reported recently and whose engine runs."""
-        now = time.time() if now is None else now
-        return [s for s in self.snapshots if now - s["received"] <= STALE_AFTER_S and s["state"] == "RUNNING"]
+        return [s for s in self.snapshots if self.age(s) <= STALE_AFTER_S and s["state"] == "RUNNING"]
 
     def queue_depth(self) -> QueueDepth:
         """Running and waiting requests summed over the live replicas (the whole cluster's queue)."""
@@ -114,10 +120,10 @@ class DeploymentStats:
 
     def replicas(self) -> list[ReplicaStatus]:
         """Every replica the board knows, with its state (RUNNING, DEAD or UNRESPONSIVE)."""
-        now = time.time()
         out = []
         for s in sorted(self.snapshots, key=lambda s: s["replica"]):
-            state = s["state"] if now - s["received"] <= STALE_AFTER_S else "UNRESPONSIVE"
+            age = self.age(s)
+            state = s["state"] if age <= STALE_AFTER_S else "UNRESPONSIVE"
             out.append(
                 ReplicaStatus(
                     replica=s["replica"],
@@ -128,7 +134,7 @@ class DeploymentStats:
                     running=s["running"],
                     waiting=s["waiting"],
                     kv_cache_usage=s["kv_cache_usage"],
-                    last_report_s=round(now - s["received"], 3),
+                    last_report_s=round(age, 3),
                 )
             )
         return out
@@ -158,7 +164,7 @@ class StatsPoller:
         except Exception as exc:
             logger.debug("reading the stats board failed: %s", exc)
             return self.stats
-        self.stats = DeploymentStats(snapshots=snapshots, read_at=time.time())
+        self.stats = DeploymentStats(snapshots=snapshots, read_at=time.monotonic())
         return self.stats
 
     async def _run(self) -> None:

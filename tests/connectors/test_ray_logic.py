@@ -16,7 +16,7 @@ from servelm.connectors.base import ConnectorError
 from servelm.connectors.ray_replica import error_item
 from servelm.connectors.ray_resume import MAX_MIGRATIONS, resumable_stream
 from servelm.connectors.ray_router import PrefixTable, prefix_keys
-from servelm.connectors.ray_stats import STALE_AFTER_S, DeploymentStats, StatsPoller
+from servelm.connectors.ray_stats import STALE_AFTER_S, DeploymentStats, StatsBoard, StatsPoller
 from servelm.engine.outputs import CompletionOutput, RequestOutput
 from servelm.engine.sampling_params import SamplingParams
 from servelm.engine.structured_outputs import StructuredOutputsParams
@@ -226,7 +226,7 @@ def _snapshot(replica: str, running: int, waiting: int, kv: float, hits: int, ag
         "running": running,
         "waiting": waiting,
         "kv_cache_usage": kv,
-        "received": time.time() - age,
+        "age": age,  # as the board gives it
         "engines": [
             {
                 "model": "m",
@@ -262,6 +262,20 @@ def test_stats_sum_live_replicas_and_show_the_stale_ones():
     assert sorted(e.replica for e in engine if e.replica) == ["a", "b"]
     states = {r.replica: r.state for r in stats.replicas()}
     assert states == {"a": "RUNNING", "b": "RUNNING", "c": "UNRESPONSIVE"}
+
+
+def test_liveness_does_not_depend_on_the_machines_clocks_agreeing(monkeypatch):
+    # The board and the front end may run on machines whose clocks are minutes apart: ages are
+    # taken on the board's clock and then on the front end's, never across the two.
+    board = StatsBoard()
+    fresh = _snapshot("a", 1, 0, 0.1, 0)
+    del fresh["age"]
+    board.put(fresh)
+    entries = board.get()
+    assert 0 <= entries[0]["age"] < STALE_AFTER_S
+    monkeypatch.setattr(time, "time", lambda: 1e10)  # this machine's wall clock, centuries off
+    assert [s["replica"] for s in DeploymentStats(entries).live()] == ["a"]
+    assert [r.state for r in DeploymentStats(entries).replicas()] == ["RUNNING"]
 
 
 async def test_the_stats_poller_stops_when_cancelled_from_another_thread():
