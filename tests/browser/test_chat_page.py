@@ -255,3 +255,193 @@ def test_dark_and_light_follow_the_system(browser, server: ServerProcess, reques
             context.close()
     assert colours["light"] == "rgb(255, 255, 255)"
     assert colours["dark"] != colours["light"]
+
+
+def _sent_messages(page: Page) -> list[list[dict]]:
+    """The `messages` of every chat request the page makes from now on."""
+    sent: list[list[dict]] = []
+    page.on(
+        "request", lambda r: sent.append(r.post_data_json["messages"]) if r.url.endswith("/chat/completions") else None
+    )
+    return sent
+
+
+def _stored(page: Page) -> list[dict]:
+    return page.evaluate("JSON.parse(localStorage.getItem('servelm.chat')).messages")
+
+
+def test_a_message_that_fails_goes_back_to_the_composer_and_is_not_sent_again(page: Page, server: ServerProcess):
+    open_chat(page, server)
+    sent = _sent_messages(page)
+    box = page.get_by_label("Message")
+    page.get_by_text("Settings").click()
+    page.get_by_label("top_p").fill("5")  # a 400 from the real server
+    box.fill("Hi")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator(".msg.error")).to_contain_text("Error 400", timeout=TIMEOUT_MS)
+    # The message that got no reply is out of the conversation and back in the composer.
+    expect(page.locator(".msg.user")).to_have_count(0)
+    expect(box).to_have_value("Hi")
+    assert [m["role"] for m in _stored(page)] == ["error"]
+
+    # A 429 that comes while the user already types the next message: the new text is kept.
+    pending = []
+    page.route("**/v1/chat/completions", lambda route: pending.append(route))
+    page.get_by_label("top_p").fill("1")
+    page.get_by_role("button", name="Send").click()
+    wait_for(lambda: page.evaluate("true") and len(pending) == 1, "the request to reach the route")
+    box.fill("Hello")
+    body = {
+        "error": {"message": "Rate limit reached", "type": "requests", "param": None, "code": "rate_limit_exceeded"}
+    }
+    pending[0].fulfill(status=429, headers={"content-type": "application/json"}, body=json.dumps(body))
+    expect(page.locator(".msg.error").last).to_contain_text("Too many requests (429)")
+    expect(page.locator(".msg.user")).to_have_count(0)
+    expect(box).to_have_value("Hello")
+    page.unroute("**/v1/chat/completions")
+
+    # The next request carries the new message alone, never the ones that failed.
+    page.get_by_label("max_tokens").fill("2")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator(".msg.assistant .stats")).to_contain_text("tokens", timeout=TIMEOUT_MS)
+    assert sent[-1] == [{"role": "user", "content": "Hello"}]
+    assert [m["role"] for m in _stored(page)] == ["error", "error", "user", "assistant"]
+    expect(page.locator(".msg.user")).to_have_text("Hello")
+
+
+def test_a_reload_while_a_reply_streams_keeps_the_message_and_the_reply_so_far(page: Page, server: ServerProcess):
+    open_chat(page, server)
+    set_max_tokens(page, 2000)
+    page.get_by_label("Message").fill("Tell me a long story about a lighthouse keeper.")
+    page.get_by_role("button", name="Send").click()
+    wait_for(lambda: len(reply_text(page).strip()) > 30, "some of the reply")
+    assert page.get_by_role("button", name="Stop").is_enabled(), "the reply ended before the reload"
+    shown = reply_text(page)
+
+    page.reload()
+    expect(page.locator(".msg.user")).to_have_text("Tell me a long story about a lighthouse keeper.")
+    # Back as a reply that was stopped, with (at least) the text that was shown.
+    expect(page.locator(".msg.assistant .stats")).to_contain_text("stopped")
+    assert reply_text(page)[:30] == shown[:30]
+    expect(page.get_by_label("Message")).to_have_value("")
+    wait_for(lambda: metric(server.url, "servelm:num_requests_running") == 0, "the server to free the request")
+
+    # What a page that went without a word (a crash, a killed tab) saved while streaming:
+    # the reply so far comes back stopped; a message with no reply text yet, back in the composer.
+    def saved_mid_stream(reply: str) -> None:
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply, "streaming": True}]
+        page.evaluate("(c) => localStorage.setItem('servelm.chat', JSON.stringify(c))", {"messages": messages})
+        page.reload()
+
+    saved_mid_stream("Once upon")
+    expect(page.locator(".msg.assistant .stats")).to_have_text("stopped")
+    expect(page.locator(".msg.assistant .content")).to_have_text("Once upon")
+    saved_mid_stream("")
+    expect(page.get_by_label("Message")).to_have_value("Hi")
+    expect(page.locator(".msg")).to_have_count(0)
+
+
+def test_an_error_mid_stream_keeps_the_reply_so_far_and_names_the_error(page: Page, server: ServerProcess):
+    open_chat(page, server)
+
+    def chunk(delta: dict) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        return "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [choice]}) + "\n\n"
+
+    message = "The request did not finish within the server's request timeout (1 s) and was aborted."
+    error = {"error": {"message": message, "type": "timeout_error", "param": None, "code": "request_timeout"}}
+    body = chunk({"role": "assistant", "content": ""}) + chunk({"content": "The first half"})
+    body += "data: " + json.dumps(error) + "\n\ndata: [DONE]\n\n"
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=body),
+    )
+    page.get_by_label("Message").fill("Hi")
+    page.get_by_role("button", name="Send").click()
+    # The text shown stays, with the error by its own status (a timeout is a 408, not a 500).
+    expect(page.locator(".msg.assistant .stats")).to_have_text(
+        re.compile(r"^TTFT \d+ ms · ~1 tokens · cut short by Error 408: " + re.escape(message) + "$")
+    )
+    expect(page.locator(".msg.assistant .content")).to_have_text("The first half")
+    expect(page.locator(".msg.user")).to_have_text("Hi")
+    expect(page.locator(".msg.error")).to_have_count(0)
+    assert _stored(page)[-1]["content"] == "The first half"
+
+
+def test_a_reader_who_scrolled_up_is_not_pulled_back_down(page: Page, server: ServerProcess):
+    page.goto(server.url + "/")
+    long_reply = "\n\n".join(f"Paragraph {i}." for i in range(120))  # taller than the window
+    conversation = {"messages": [{"role": "user", "content": "Count."}, {"role": "assistant", "content": long_reply}]}
+    page.evaluate("(c) => localStorage.setItem('servelm.chat', JSON.stringify(c))", conversation)
+    open_chat(page, server)
+    set_max_tokens(page, 300)
+    page.get_by_label("Message").fill("Tell me a long story about a lighthouse keeper.")
+    page.get_by_role("button", name="Send").click()
+    log = page.locator("#log")
+    at_bottom = "(el) => el.scrollHeight - el.scrollTop - el.clientHeight < 40"
+    wait_for(lambda: len(reply_text(page).strip()) > 0, "the first tokens of the reply")
+    assert log.evaluate(at_bottom), "a reader at the end follows the reply"
+
+    log.evaluate("(el) => { el.scrollTop = 0; }")  # the reader scrolls up
+    shown = reply_text(page)
+    wait_for(lambda: len(reply_text(page)) > len(shown) + 20, "the reply to grow")
+    assert log.evaluate("(el) => el.scrollTop") == 0
+    page.get_by_role("button", name="Stop").click()
+    expect(page.locator(".msg.assistant .stats").last).to_contain_text("stopped")
+    assert log.evaluate("(el) => el.scrollTop") == 0
+
+
+def test_full_storage_shows_a_note_and_the_chat_goes_on(page: Page, server: ServerProcess):
+    page.add_init_script("""(() => {
+      const setItem = Storage.prototype.setItem;
+      Storage.prototype.setItem = function (key, value) {
+        if (key === 'servelm.chat') throw new DOMException('The quota has been exceeded.', 'QuotaExceededError');
+        return setItem.call(this, key, value);
+      };
+    })()""")
+    open_chat(page, server)
+    set_max_tokens(page, 3, temperature=0)
+    page.get_by_label("Message").fill("Hi")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator(".msg.assistant .stats")).to_contain_text("3 tokens", timeout=TIMEOUT_MS)
+    expect(page.locator("#note")).to_have_text(
+        "This conversation could not be saved in the browser (QuotaExceededError); a reload will lose it."
+    )
+    expect(page.locator(".msg.user")).to_have_text("Hi")
+    expect(page.get_by_role("button", name="Send")).to_be_enabled()
+    assert not page.errors  # type: ignore[attr-defined]
+
+
+def test_a_429_says_how_long_to_wait_once(page: Page, server: ServerProcess):
+    open_chat(page, server)
+    replies = [
+        # The rate limiter names the wait in its message...
+        (
+            "Rate limit reached on requests per min (RPM): Limit 1, Used 1, Requested 1. Please try again in 46.648s.",
+            "47",
+        ),
+        # ...admission control points at the header, which the page reads out.
+        (
+            "The server is at capacity: 4 requests are already waiting. Retry after the time in the Retry-After header.",
+            "1",
+        ),
+    ]
+
+    def reply(route) -> None:
+        message, retry_after = replies.pop(0)
+        body = {"error": {"message": message, "type": "requests", "param": None, "code": "rate_limit_exceeded"}}
+        route.fulfill(
+            status=429, headers={"retry-after": retry_after, "content-type": "application/json"}, body=json.dumps(body)
+        )
+
+    page.route("**/v1/chat/completions", reply)
+    page.get_by_label("Message").fill("Hi")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator(".msg.error")).to_have_text(
+        "Too many requests (429): Rate limit reached on requests per min (RPM): Limit 1, Used 1, Requested 1. "
+        "Please try again in 46.648s."
+    )
+    page.get_by_role("button", name="Send").click()  # the message is back in the composer
+    expect(page.locator(".msg.error").last).to_have_text(
+        "Too many requests (429): The server is at capacity: 4 requests are already waiting. Retry after 1 s."
+    )

@@ -168,17 +168,36 @@ def test_http_errors_carry_the_servers_message_and_the_key_is_sent(module_page: 
     }
 
 
-def test_an_error_event_mid_stream_is_an_error(module_page: Page):
-    message = module_page.evaluate(
+def test_an_error_event_keeps_the_text_so_far_and_its_own_type_and_code(module_page: Page):
+    r = module_page.evaluate(
         STREAM
         + """async () => {
       const { streamChat } = await import('/js/api.js');
-      const err = 'data: ' + JSON.stringify({ error: { message: 'engine failed', type: 'server_error', code: null } }) + '\\n\\n';
-      try { await streamChat({}, { fetchFn: fakeFetch([delta('a'), err]) }); return 'no error'; }
-      catch (e) { return e.message; }
+      const event = (type, code) =>
+        'data: ' + JSON.stringify({ error: { message: 'it failed', type, param: null, code } }) + '\\n\\n';
+      const fields = (e) => ({ name: e.name, status: e.status, type: e.type, code: e.code, message: e.message });
+      // After some text: the text is returned, with the error.
+      const mid = await streamChat({}, { fetchFn: fakeFetch([delta('partial'), event('timeout_error', 'request_timeout')]) });
+      // Before any text: thrown.
+      const thrown = async (type, code) => {
+        try { await streamChat({}, { fetchFn: fakeFetch([event(type, code)]) }); return 'no error'; }
+        catch (e) { return fields(e); }
+      };
+      return { text: mid.text, stopped: mid.stopped, error: fields(mid.error),
+               engine: await thrown('server_error', 'engine_error'), unknown: await thrown('odd_error', null) };
     }"""
     )
-    assert message == "engine failed"
+    assert r["text"] == "partial" and r["stopped"] is False
+    # The type's status in docs/API.md (a timeout is a 408), not a made-up 500.
+    assert r["error"] == {
+        "name": "ApiError",
+        "status": 408,
+        "type": "timeout_error",
+        "code": "request_timeout",
+        "message": "it failed",
+    }
+    assert r["engine"]["status"] == 500 and r["engine"]["code"] == "engine_error"
+    assert r["unknown"]["status"] is None and r["unknown"]["type"] == "odd_error"
 
 
 METRICS_TEXT = r"""# HELP servelm:num_requests_running Sequences running.

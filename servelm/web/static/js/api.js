@@ -14,26 +14,41 @@ export function setApiKey(key) {
 
 /** An HTTP error with the message of the server's OpenAI error body. */
 export class ApiError extends Error {
-  constructor(status, message, code = null, retryAfter = null) {
+  constructor(status, message, code = null, retryAfter = null, type = null) {
     super(message);
     this.name = "ApiError";
     this.status = status;
     this.code = code;
     this.retryAfter = retryAfter;
+    this.type = type;
   }
+}
+
+// The status docs/API.md gives each error type, for an error sent as an event in a stream
+// (its HTTP status was already 200); null for a type not listed there.
+const STATUS_OF_TYPE = {
+  invalid_request_error: 400, timeout_error: 408, requests: 429, tokens: 429, server_overloaded: 429,
+  server_error: 500, service_unavailable_error: 503,
+};
+
+/** The ApiError of an error event (`{"error": {...}}`) in a stream. */
+function streamError({ message, type = null, code = null }) {
+  return new ApiError(STATUS_OF_TYPE[type] ?? null, message, code, null, type);
 }
 
 async function errorOf(response) {
   let message = `HTTP ${response.status} ${response.statusText}`.trim();
   let code = null;
+  let type = null;
   try {
     const body = await response.json();
     if (body?.error?.message) message = body.error.message;
     code = body?.error?.code ?? null;
+    type = body?.error?.type ?? null;
   } catch {
     // not JSON: keep the status line
   }
-  return new ApiError(response.status, message, code, response.headers.get("retry-after"));
+  return new ApiError(response.status, message, code, response.headers.get("retry-after"), type);
 }
 
 /** fetch() with the stored key as a Bearer token; throws ApiError when the status is not 2xx. */
@@ -50,12 +65,13 @@ export async function apiFetch(path, init = {}, fetchFn = fetch) {
  * Stream one chat completion. `onText(text)` gets the reply so far after each delta.
  * Aborting `signal` stops reading and closes the connection, which the server takes
  * as a client disconnect and frees the request; the text so far is returned with
- * `stopped: true`. Returns {text, stopped, finishReason, usage, ttft, seconds, chunks}
- * (times in seconds).
+ * `stopped: true`. A failure after some text (an error event, a dropped connection)
+ * returns the text so far with the error in `error`; a failure before any text throws.
+ * Returns {text, stopped, error, finishReason, usage, ttft, seconds, chunks} (times in seconds).
  */
 export async function streamChat(body, { signal, onText = () => {}, fetchFn = fetch, now = () => performance.now() } = {}) {
   const started = now();
-  const result = { text: "", stopped: false, finishReason: null, usage: null, ttft: null, seconds: 0, chunks: 0 };
+  const result = { text: "", stopped: false, error: null, finishReason: null, usage: null, ttft: null, seconds: 0, chunks: 0 };
   let firstToken = null;
   try {
     const response = await apiFetch(
@@ -77,7 +93,7 @@ export async function streamChat(body, { signal, onText = () => {}, fetchFn = fe
       for (const data of parser.push(decoder.decode(value, { stream: true }))) {
         if (data === "[DONE]") continue;
         const chunk = JSON.parse(data);
-        if (chunk.error) throw new ApiError(500, chunk.error.message, chunk.error.code);
+        if (chunk.error) throw streamError(chunk.error);
         if (chunk.usage) result.usage = chunk.usage;
         const choice = chunk.choices?.[0];
         if (choice?.finish_reason) result.finishReason = choice.finish_reason;
@@ -91,8 +107,9 @@ export async function streamChat(body, { signal, onText = () => {}, fetchFn = fe
       }
     }
   } catch (err) {
-    if (err?.name !== "AbortError") throw err;
-    result.stopped = true;
+    if (err?.name === "AbortError") result.stopped = true;
+    else if (result.text) result.error = err;
+    else throw err;
   }
   const ended = now();
   if (firstToken !== null) {

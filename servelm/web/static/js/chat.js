@@ -8,12 +8,14 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   log: $("log"), form: $("composer"), message: $("message"), send: $("send"), stop: $("stop"),
   model: $("model"), system: $("system"), temperature: $("temperature"), topP: $("top-p"),
-  maxTokens: $("max-tokens"), newChat: $("new-chat"),
+  maxTokens: $("max-tokens"), newChat: $("new-chat"), note: $("note"),
 };
+const SAVE_EVERY_MS = 1000; // how often a streaming reply is saved, so a reload keeps it
 
-// messages: {role: "user"|"assistant"|"error", content, stats?}; errors are shown, never sent.
+// messages: {role: "user"|"assistant"|"error", content, stats?, streaming?}; errors are shown, never sent.
 let state = load();
 let controller = null;
+let savedAt = 0;
 
 function load() {
   try {
@@ -30,7 +32,32 @@ function save() {
     model: ui.model.value, system: ui.system.value, temperature: ui.temperature.value,
     topP: ui.topP.value, maxTokens: ui.maxTokens.value,
   };
-  localStorage.setItem(STORAGE, JSON.stringify(state));
+  savedAt = performance.now();
+  try {
+    localStorage.setItem(STORAGE, JSON.stringify(state));
+  } catch (err) {
+    // Full (QuotaExceededError) or refused: the page works on, the conversation just is not kept.
+    if (!ui.note.hidden) return;
+    ui.note.textContent = `This conversation could not be saved in the browser (${err.name}); a reload will lose it.`;
+    ui.note.hidden = false;
+  }
+}
+
+/** After a reload: a reply that was streaming is marked stopped; a message left with no reply goes back to the composer. */
+function recover() {
+  state.messages = state.messages.filter((m) => !(m.streaming && !m.content));
+  for (const m of state.messages.filter((m) => m.streaming)) {
+    delete m.streaming;
+    m.stats = { stopped: true };
+  }
+  if (state.messages.at(-1)?.role === "user") unsend(state.messages.length - 1);
+}
+
+/** Take back the user's message at `index` (it got no reply) and put its text in the composer, unless a new one is there. */
+function unsend(index) {
+  const [turn] = state.messages.splice(index, 1);
+  if (!ui.message.value.trim()) ui.message.value = turn.content;
+  return turn.content;
 }
 
 function restoreSettings() {
@@ -48,6 +75,7 @@ function statsText(stats) {
   if (stats.tokensPerSecond != null) parts.push(`${stats.tokensPerSecond.toFixed(1)} tokens/s`);
   if (stats.tokens != null) parts.push(`${stats.approximate ? "~" : ""}${stats.tokens} tokens`);
   if (stats.stopped) parts.push("stopped");
+  else if (stats.error) parts.push(`cut short by ${stats.error}`);
   else if (stats.finishReason === "length") parts.push("cut at max_tokens");
   return parts.join(" · ");
 }
@@ -72,7 +100,7 @@ function renderMessage(msg, index) {
   if (msg.role === "assistant") {
     const footer = document.createElement("footer");
     const stats = document.createElement("span");
-    stats.className = "stats";
+    stats.className = msg.stats?.error ? "stats error" : "stats";
     stats.textContent = statsText(msg.stats);
     footer.append(stats, button("Copy", () => copy(msg.content)));
     if (index === state.messages.length - 1 && !controller) footer.append(button("Regenerate", regenerate));
@@ -82,10 +110,17 @@ function renderMessage(msg, index) {
   return content;
 }
 
-function redraw() {
+/** Whether the conversation is scrolled to (near) its end, where new text should keep it. */
+function atBottom() {
+  return ui.log.scrollHeight - ui.log.scrollTop - ui.log.clientHeight < 40;
+}
+
+/** Draw the conversation again; scroll to its end unless `stick` is false (a reader who scrolled up). */
+function redraw(stick = true) {
+  const top = ui.log.scrollTop;
   ui.log.replaceChildren();
   state.messages.forEach(renderMessage);
-  ui.log.scrollTop = ui.log.scrollHeight;
+  ui.log.scrollTop = stick ? ui.log.scrollHeight : top;
 }
 
 async function copy(text) {
@@ -105,9 +140,11 @@ function addError(text) {
 function describe(err) {
   if (err instanceof ApiError) {
     if (err.status === 429) {
-      return `Too many requests (429): ${err.message}${err.retryAfter ? ` Retry after ${err.retryAfter} s.` : ""}`;
+      // The rate limiter's message names the wait ("Please try again in 46.648s."): say it once.
+      const wait = err.retryAfter && !/try again in/i.test(err.message) ? ` Retry after ${err.retryAfter} s.` : "";
+      return `Too many requests (429): ${err.message.replace(/ ?Retry after the time in the Retry-After header\./, "")}${wait}`;
     }
-    return `Error ${err.status}: ${err.message}`;
+    return `Error ${err.status ?? err.type}: ${err.message}`;
   }
   return `Network error: could not reach the server (${err.message}).`;
 }
@@ -132,10 +169,12 @@ function requestBody() {
 /** Stream a reply to the conversation as it stands. */
 async function generate() {
   const body = requestBody();
-  const reply = { role: "assistant", content: "" };
+  // Saved as it streams, marked `streaming`, so a reload keeps it (as a stopped reply).
+  const reply = { role: "assistant", content: "", streaming: true };
   state.messages.push(reply);
   controller = new AbortController();
   setBusy(true);
+  save();
   redraw();
   const content = ui.log.lastElementChild.querySelector(".content");
   let frame = 0;
@@ -147,8 +186,10 @@ async function generate() {
         // One render per frame: re-rendering the markdown on every token would fall behind.
         frame ||= requestAnimationFrame(() => {
           frame = 0;
+          const stick = atBottom(); // a reader who scrolled up stays where they are
           renderInto(content, reply.content);
-          ui.log.scrollTop = ui.log.scrollHeight;
+          if (stick) ui.log.scrollTop = ui.log.scrollHeight;
+          if (performance.now() - savedAt > SAVE_EVERY_MS) save();
         });
       },
     });
@@ -156,28 +197,42 @@ async function generate() {
     const tokens = result.usage?.completion_tokens ?? result.chunks;
     reply.stats = {
       ttft: result.ttft, tokens, approximate: !result.usage, stopped: result.stopped,
+      error: result.error && describe(result.error), // the text so far is kept, with why it ended
       finishReason: result.finishReason, tokensPerSecond: tokensPerSecond(tokens, result.seconds),
     };
   } catch (err) {
-    state.messages.pop(); // no reply: show why instead
-    state.messages.push({ role: "error", content: describe(err) });
-    if (err instanceof ApiError && err.status === 401) needKey(err.message, true);
+    failed(reply, err);
   } finally {
+    delete reply.streaming;
     cancelAnimationFrame(frame);
     controller = null;
     setBusy(false);
     save();
-    redraw();
+    redraw(atBottom());
   }
 }
 
-async function needKey(message, retry) {
+/**
+ * A request that failed before any reply text: its user message is taken back into the
+ * composer, so the conversation never keeps a message that got no reply (the next request
+ * would carry it again), and the error is shown in its place.
+ */
+function failed(reply, err) {
+  const index = state.messages.indexOf(reply);
+  if (index < 0) return; // the conversation was cleared meanwhile
+  state.messages.splice(index, 1);
+  const text = state.messages[index - 1]?.role === "user" ? unsend(index - 1) : null;
+  state.messages.push({ role: "error", content: describe(err) });
+  if (err instanceof ApiError && err.status === 401) needKey(err.message, text);
+}
+
+/** Ask for the key; with it, send `retry` again if that text still waits in the composer. */
+async function needKey(message, retry = null) {
   if (!(await askForKey(`The server needs an API key: ${message}`))) return;
   await loadModels();
-  if (retry && state.messages.at(-1)?.role === "error") {
-    state.messages.pop();
-    save();
-    generate();
+  if (retry !== null && ui.message.value === retry && !controller) {
+    if (state.messages.at(-1)?.role === "error") state.messages.pop();
+    send();
   }
 }
 
@@ -227,7 +282,18 @@ ui.newChat.addEventListener("click", () => {
   ui.message.focus();
 });
 for (const el of [ui.model, ui.system, ui.temperature, ui.topP, ui.maxTokens]) el.addEventListener("change", save);
+// Leaving the page (reload, closed tab) stops the reply as Stop does and saves it at once: saving is
+// otherwise throttled while it streams. beforeunload comes before the browser drops the stream
+// (which would read as a network error); pagehide is the one some mobile browsers send.
+for (const type of ["beforeunload", "pagehide"]) {
+  window.addEventListener(type, () => {
+    if (!controller) return;
+    save();
+    controller.abort();
+  });
+}
 
 restoreSettings();
+recover();
 redraw();
 loadModels();
