@@ -231,6 +231,8 @@ def test_metrics_parser_sums_labels_and_computes_quantiles_like_prometheus(modul
         p99: m.histogramQuantile(0.99, b),
         none: m.histogramQuantile(0.5, m.bucketDelta(b, b)),
         windowP50: m.histogramQuantile(0.5, m.bucketDelta(b, earlier)),
+        // Counts lower than before: the server restarted, and all it saw since is `b` itself.
+        afterRestart: m.bucketDelta(b, [{ le: 0.1, count: 9 }, { le: 0.5, count: 9 }, { le: Infinity, count: 9 }]),
       };
     }""",
         METRICS_TEXT,
@@ -246,6 +248,7 @@ def test_metrics_parser_sums_labels_and_computes_quantiles_like_prometheus(modul
     assert r["none"] is None
     # The window holds 7 observations: 1 at or below 0.1, 4 in (0.1, 0.5], 2 above; rank 3.5 -> 0.1 + 0.4 * 2.5 / 4
     assert r["windowP50"] == pytest.approx(0.35)
+    assert r["afterRestart"] == [{"le": 0.1, "count": 2}, {"le": 0.5, "count": 6}, {"le": float("inf"), "count": 8}]
 
 
 def test_rendered_markdown_keeps_code_and_drops_scripts(module_page: Page):

@@ -44,9 +44,13 @@ export function buckets(samples, name) {
   return [...byLe].map(([le, count]) => ({ le, count })).sort((a, b) => a.le - b.le);
 }
 
-/** The buckets observed between two scrapes (`after` minus `before`). */
+/**
+ * The buckets observed between two scrapes (`after` minus `before`). A count that went down
+ * means the server restarted in between: then all it observed since is `after` itself.
+ */
 export function bucketDelta(after, before) {
   const old = new Map(before.map((b) => [b.le, b.count]));
+  if (after.some((b) => b.count < (old.get(b.le) || 0))) return after;
   return after.map((b) => ({ le: b.le, count: b.count - (old.get(b.le) || 0) }));
 }
 

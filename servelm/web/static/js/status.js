@@ -7,6 +7,10 @@ import { bucketDelta, buckets, histogramQuantile, parsePrometheus, sum } from ".
 const POINTS = 120; // two minutes of history
 const WINDOW = 10; // percentiles over the last ten scrapes, so one slow request does not vanish at once
 const P = "servelm:";
+const TIMEOUT_MS = 5000; // a scrape not answered by then: the server is not answering
+const KEY_RETRY_MS = 5000; // after the key dialog was cancelled: how often to see whether /metrics still needs one
+// Counters that only grow while the server runs: one that went down means a restart.
+const COUNTERS = [`${P}generation_tokens_total`, `${P}http_requests_total`, `${P}time_to_first_token_seconds_count`];
 
 const charts = [
   { id: "chart-tokens", series: [["output tokens/s", "#2f7ed8"]] },
@@ -16,8 +20,12 @@ const charts = [
   { id: "chart-itl", series: [["ITL p50 ms", "#2f7ed8"], ["ITL p95 ms", "#e4572e"]] },
   { id: "chart-rejected", series: [["429 rejections/s", "#e4572e"]] },
 ];
-const history = []; // recent scrapes: {t, samples}
-const columns = charts.map((c) => [[], ...c.series.map(() => [])]);
+const history = []; // recent scrapes of the running server process: {t, samples}
+export const columns = charts.map((c) => [[], ...c.series.map(() => [])]); // the charts' data (exported for the tests)
+const keyButton = document.getElementById("key-button");
+let declined = false; // the key dialog was cancelled: ask again only from the key button
+let timer = 0;
+let scraping = false; // a scrape is under way (it schedules the next one when it ends)
 
 function makeChart(chart) {
   const el = document.getElementById(chart.id);
@@ -100,7 +108,11 @@ function update(f, samples) {
   show("v-ttft", `${fmt(f.ttft[0], 0)} / ${fmt(f.ttft[1], 0)} ms`);
   show("v-itl", `${fmt(f.itl[0], 0)} / ${fmt(f.itl[1], 0)} ms`);
   show("v-rejected", String(f.rejectedTotal));
-  const rows = [[f.tokensPerSecond], [f.running, f.waiting], [f.kvUsage, f.prefixHitRate], f.ttft, f.itl, [f.rejectedPerSecond]];
+  plot([[f.tokensPerSecond], [f.running, f.waiting], [f.kvUsage, f.prefixHitRate], f.ttft, f.itl, [f.rejectedPerSecond]]);
+}
+
+/** Add one point to each chart: `rows[i]` holds chart i's values (null for a gap). */
+function plot(rows) {
   const t = Date.now() / 1000;
   rows.forEach((values, i) => {
     const cols = columns[i];
@@ -111,23 +123,51 @@ function update(f, samples) {
   });
 }
 
+/** Whether the server restarted between two scrapes: its uptime or a counter went down. */
+function restarted(now, before) {
+  const down = (name) => sum(now.samples, name) < sum(before.samples, name);
+  return down(`${P}uptime_seconds`) || COUNTERS.some(down);
+}
+
+function schedule(ms) {
+  clearTimeout(timer);
+  timer = setTimeout(scrape, ms);
+}
+
 async function scrape() {
+  scraping = true;
+  let next = 1000;
   try {
-    const response = await apiFetch("/metrics");
+    const response = await apiFetch("/metrics", { signal: AbortSignal.timeout(TIMEOUT_MS) });
     const now = { t: Date.now(), samples: parsePrometheus(await response.text()) };
+    // After a restart the counters start again from 0: so do the rates and windows, rather than go negative.
+    if (history.length && restarted(now, history.at(-1))) history.length = 0;
     const previous = history.at(-1);
     history.push(now);
     if (history.length > WINDOW + 1) history.shift();
     update(figures(now, previous, history.length > 1 ? history[0] : null), now.samples);
     show("state", "live");
+    declined = false;
+    keyButton.hidden = true;
     document.body.dataset.scrapes = String(Number(document.body.dataset.scrapes || 0) + 1);
   } catch (err) {
-    show("state", err instanceof ApiError ? `error ${err.status}: ${err.message}` : `cannot reach the server (${err.message})`);
+    plot(charts.map((c) => c.series.map(() => null))); // a gap: no line drawn across the outage
+    if (err?.name === "TimeoutError") show("state", `the server is not answering (no reply in ${TIMEOUT_MS / 1000} s)`);
+    else if (err instanceof ApiError) show("state", `error ${err.status}: ${err.message}`);
+    else show("state", `cannot reach the server (${err.message})`);
     if (err instanceof ApiError && err.status === 401) {
-      await askForKey(`/metrics needs the API key: ${err.message}`);
+      keyButton.hidden = false;
+      if (!declined) declined = !(await askForKey(`/metrics needs the API key: ${err.message}`));
+      if (declined) next = KEY_RETRY_MS; // still checked, in case the server stops asking for a key
     }
   }
-  setTimeout(scrape, 1000);
+  scraping = false;
+  schedule(next);
 }
 
+keyButton.addEventListener("click", async () => {
+  if (!(await askForKey("/metrics needs the API key."))) return;
+  declined = false;
+  if (!scraping) schedule(0); // a scrape under way schedules the next one itself
+});
 scrape();
