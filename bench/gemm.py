@@ -12,7 +12,7 @@ packed weights, alternating, with the bytes of weights read per second: once
 over plain weights as PyTorch allocates them, once over copies on transparent
 huge pages (``huge_page_copies``, where the model runner puts them). For up
 to 64 rows, where the CPU has AVX512-BF16, it also times servelm's small-GEMM
-kernel over the pair layout (``PackedLinear(keep_pairs=True)``, what decoding
+kernel over the pair layout (``PackedLinear(pair_rows=PAIR_MAX_ROWS)``, what decoding
 runs on such a CPU) against the packed weights.
 
     .venv/bin/python bench/gemm.py --rows 1 8 32 128 512
@@ -61,7 +61,7 @@ def main() -> None:
     shapes = _shapes(not args.no_head)
     weights = {dt: [torch.randn(o, i).to(dt) for o, i in shapes] for dt in (torch.float32, torch.bfloat16)}
     packed = [PackedLinear(w) for w in weights[torch.bfloat16]] if packable else []
-    pairs = [PackedLinear(w, keep_pairs=True) for w in weights[torch.bfloat16]] if packable else []
+    pairs = [PackedLinear(w, pair_rows=PAIR_MAX_ROWS) for w in weights[torch.bfloat16]] if packable else []
     if not all(p.pair_weight is not None for p in pairs):
         pairs = []  # no small-GEMM kernel here (it needs AVX512-BF16), or a shape it cannot take
     header = f"{'M':>6} {'fp32 ms':>9} {'bf16 ms':>9} {'packed ms':>10} {'packed/bf16':>12} {'packed/fp32':>12}"

@@ -74,8 +74,9 @@ class EngineSettings(BaseModel):
     cpu_matmul: Literal["auto", "onednn", "pairs"] = setting(
         "auto",
         "bfloat16 matmuls of decoding steps of up to 64 sequences on CPU: pairs (servelm's small-GEMM kernel, "
-        "AVX512-BF16 CPUs), onednn (oneDNN's prepacked GEMM), or auto: the faster in a timing at start-up (logged); "
-        "pin it for reproducible runs",
+        "AVX512-BF16 CPUs), onednn (oneDNN's prepacked GEMM), or auto: the faster at 32 rows in a timing at "
+        "start-up (logged), and the small-GEMM kernel for one row and for the rows speculative decoding "
+        "verifies wherever it runs (so that greedy output stays plain decoding's); pin it for reproducible runs",
         group="engine",
     )
 

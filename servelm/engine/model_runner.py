@@ -82,7 +82,7 @@ class ModelRunner:
             keep_freed_memory()
             cpu_kernels()  # build them now (once per machine), not in the first step
         self.model, self.model_config, self.tokenizer = load_model(model, self.dtype, self.device)
-        lay_out_weights(self.model, config.quantization, config.cpu_matmul)
+        lay_out_weights(self.model, config.quantization, config.cpu_matmul, config.speculation_rows)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size

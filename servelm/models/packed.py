@@ -11,11 +11,13 @@ weights well below memory speed there, servelm's own matrix-vector kernel
 weight, so a layer can keep that too (``keep_plain``), at the cost of a
 second copy of the weights; ``weight_layout.py`` asks for it when the copy
 fits in memory. On AVX512-BF16 CPUs the copy can instead be in the layout of
-servelm's small-GEMM kernel (``keep_pairs``), which serves one row as fast as
+servelm's small-GEMM kernel (``pair_rows``), which serves one row as fast as
 the matrix-vector kernel and 2 to ``PAIR_MAX_ROWS`` rows (decoding a few
 dozen sequences) faster than oneDNN where oneDNN has no more than the same
-instructions (``bench/gemm.py``); ``use_pair_layout`` says whether to, as the
-``cpu_matmul`` setting pins it or a timing at start-up finds.
+instructions (``bench/gemm.py``; where oneDNN has more, AMX, it is used for
+one row, and for the rows a speculative engine verifies); ``pair_rows`` says
+up to how many rows, as the ``cpu_matmul`` setting pins it or a timing at
+start-up finds.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -45,25 +48,44 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 PAIR_MAX_ROWS = 64  # the most rows the small-GEMM kernel takes; oneDNN's packed GEMM catches up beyond
 
 
-def use_pair_layout(cpu_matmul: str) -> bool:
-    """Whether decoding's products of up to ``PAIR_MAX_ROWS`` rows go to servelm's small-GEMM kernel (over
-    weights in its pair layout) rather than to oneDNN: ``pairs`` and ``onednn`` pin the choice without a
-    timing (``pairs`` falls back to oneDNN, with a warning, where the kernel does not run); ``auto`` asks
-    ``pairs_beat_onednn``."""
-    if cpu_matmul == "auto":
-        return pairs_beat_onednn()
-    if cpu_matmul == "pairs" and _small_gemm_kernels() is None:
-        logger.warning(
-            "cpu_matmul pairs: servelm's small-GEMM kernel does not run here (%s): using oneDNN", _NO_SMALL_GEMM
+def pair_rows(cpu_matmul: str, speculation_rows: int = 0) -> int:
+    """The most rows of a product that go to servelm's small-GEMM kernel (over weights in its pair layout)
+    rather than to oneDNN; 0: none, and no pair layout is kept. ``pairs`` and ``onednn`` pin it without a
+    timing (``PAIR_MAX_ROWS`` and 0; ``pairs`` falls back to 0, with a warning, where the kernel does not
+    run); ``auto`` asks ``timed_pair_rows``.
+
+    A speculative engine verifies up to ``speculation_rows`` rows in one step (its most speculating
+    sequences times k + 1 tokens each): wherever the kernel runs they all go to it, however the timing came
+    out, since it computes each row alike however many rows come, so verified tokens get the logits of
+    plain decoding's one row, and greedy output stays plain decoding's. oneDNN's rows need not match the
+    one-row kernel's (on an AMX CPU they did not).
+    """
+    if cpu_matmul == "onednn":
+        logger.info("cpu_matmul onednn: decoding's small matmuls use oneDNN, as pinned")
+        return 0
+    if _small_gemm_kernels() is None:
+        if cpu_matmul == "pairs":
+            logger.warning(
+                "cpu_matmul pairs: servelm's small-GEMM kernel does not run here (%s): using oneDNN", _NO_SMALL_GEMM
+            )
+        else:
+            logger.info("cpu_matmul auto: decoding's small matmuls use oneDNN (%s)", _NO_SMALL_GEMM)
+        return 0
+    if cpu_matmul == "pairs":
+        logger.info("cpu_matmul pairs: decoding's small matmuls use the pair layout, as pinned")
+        rows = PAIR_MAX_ROWS
+    else:
+        rows = timed_pair_rows()
+    wanted = min(speculation_rows, PAIR_MAX_ROWS)
+    if wanted > rows:
+        logger.info(
+            "speculative decoding verifies up to %d rows a step: up to %d rows use the pair layout, whose rows "
+            "verified together are those of plain decoding",
+            speculation_rows,
+            wanted,
         )
-        return False
-    pairs = cpu_matmul == "pairs"
-    logger.info("cpu_matmul %s: decoding's small matmuls use %s, as pinned", cpu_matmul, _path(pairs))
-    return pairs
-
-
-def _path(pairs: bool) -> str:
-    return "the pair layout" if pairs else "oneDNN"
+        rows = wanted
+    return rows
 
 
 _NO_SMALL_GEMM = "it needs servelm's CPU kernels, an AVX512-BF16 CPU and oneDNN's bfloat16 packing"
@@ -77,55 +99,64 @@ def _small_gemm_kernels() -> kernels.CpuKernels | None:
     return native if runs else None
 
 
-@functools.cache
-def pairs_beat_onednn() -> bool:
-    """Whether servelm's small-GEMM kernel multiplies 32 rows faster than oneDNN's packed GEMM on this CPU.
-
-    It does on AVX512-BF16 CPUs where oneDNN has the same instructions (``bench/gemm.py``); where oneDNN
-    has more (AMX) it need not. One [32, 576] x [576, 3072] product each way, the best of five alternating
-    calls (a few milliseconds), settles it, logged with its figures; False where the kernel does not run.
-    """
-    native = _small_gemm_kernels()
-    if native is None:
-        logger.info("cpu_matmul auto: decoding's small matmuls use oneDNN (%s)", _NO_SMALL_GEMM)
-        return False
-    weight = torch.randn(3072, 576).to(torch.bfloat16)
-    pairs = native.pack_pairs(weight)
-    packed = PackedLinear(weight)
-    x = torch.randn(32, 576).to(torch.bfloat16)
-    runs = {"pairs": lambda: native.gemm_pairs(x, pairs, 3072), "onednn": lambda: packed(x)}
+def _best_times(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each run's best of five calls, alternating (after one round that pays oneDNN's set-up)."""
     best = dict.fromkeys(runs, float("inf"))
     with torch.inference_mode():
-        for _ in range(6):  # the first round pays oneDNN's set-up
+        for _ in range(6):
             for name, run in runs.items():
                 start = time.perf_counter()
                 run()
                 best[name] = min(best[name], time.perf_counter() - start)
-    faster = best["pairs"] < best["onednn"]
+    return best
+
+
+@functools.cache
+def timed_pair_rows() -> int:
+    """``PAIR_MAX_ROWS`` where servelm's small-GEMM kernel multiplies 32 rows faster than oneDNN's packed GEMM
+    on this CPU, else 1; 0 where it does not run.
+
+    It wins at 32 rows on AVX512-BF16 CPUs where oneDNN has the same instructions (``bench/gemm.py``); where
+    oneDNN has more (AMX) it loses there. One row it serves as fast as the matrix-vector kernel, whose
+    plain copy of the weights it then replaces, so that one row is computed alike in every engine,
+    speculative or not (``pair_rows``). One [32, 576] x [576, 3072] product each way, the best of five
+    alternating calls (a few milliseconds), settles it, logged with its figures.
+    """
+    native = _small_gemm_kernels()
+    if native is None:
+        return 0
+    weight = torch.randn(3072, 576).to(torch.bfloat16)
+    pairs = native.pack_pairs(weight)
+    packed = PackedLinear(weight)
+    x = torch.randn(32, 576).to(torch.bfloat16)
+    best = _best_times({"pairs": lambda: native.gemm_pairs(x, pairs, 3072), "onednn": lambda: packed(x)})
+    rows = PAIR_MAX_ROWS if best["pairs"] < best["onednn"] else 1
     logger.info(
         "cpu_matmul auto: a [32, 576] x [576, 3072] bfloat16 matmul takes %.3f ms in the pair layout vs %.3f ms "
-        "in oneDNN's: decoding's small matmuls use %s",
+        "in oneDNN's: up to %d %s the pair layout, more oneDNN",
         best["pairs"] * 1e3,
         best["onednn"] * 1e3,
-        _path(faster),
+        rows,
+        "row uses" if rows == 1 else "rows use",
     )
-    return faster
+    return rows
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` through oneDNN with ``W`` prepacked; with ``keep_pairs``, up to
-    ``PAIR_MAX_ROWS`` rows go to servelm's small-GEMM kernel over a copy of ``W`` in its pair layout where
-    that kernel runs (``pair_weight`` is None elsewhere); failing that, with ``keep_plain``, one row goes
-    to its matrix-vector kernel over the plain ``W`` where that is built."""
+    """``y = x W^T + b`` through oneDNN with ``W`` prepacked; with ``pair_rows`` > 0, up to that many rows
+    (at most ``PAIR_MAX_ROWS``) go to servelm's small-GEMM kernel over a copy of ``W`` in its pair layout
+    where that kernel runs (``pair_weight`` is None elsewhere); failing that, with ``keep_plain``, one row
+    goes to its matrix-vector kernel over the plain ``W`` where that is built."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = False, keep_pairs: bool = False
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = False, pair_rows: int = 0
     ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
         self.bias = None if bias is None else bias.detach().clone()
-        native = kernels.for_tensors(weight) if keep_pairs else None
+        self.pair_rows = min(pair_rows, PAIR_MAX_ROWS)
+        native = kernels.for_tensors(weight) if self.pair_rows > 0 else None
         self.pair_weight = native.pack_pairs(weight.detach()) if native else None
         # The pair layout serves one row as fast as the plain weight does: no need for both.
         self.plain_weight = weight.detach().contiguous() if keep_plain and self.pair_weight is None else None
@@ -142,7 +173,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         rows = flat.shape[0]
-        if rows <= PAIR_MAX_ROWS and self.pair_weight is not None and (native := kernels.for_tensors(flat)):
+        if rows <= self.pair_rows and self.pair_weight is not None and (native := kernels.for_tensors(flat)):
             out = native.gemm_pairs(flat, self.pair_weight, self.out_features, self.bias)
         elif rows == 1 and self.plain_weight is not None and (native := kernels.for_tensors(flat, self.plain_weight)):
             out = native.gemv(flat, self.plain_weight, self.bias)

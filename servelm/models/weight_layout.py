@@ -8,8 +8,8 @@ On the CPU, in order:
 - else, where this torch build packs bfloat16 weights for oneDNN, every linear
   layer becomes a :class:`PackedLinear` (packed.py), keeping a second copy of
   its weight for decoding where it fits in memory: in the small-GEMM kernel's
-  pair layout where ``cpu_matmul`` says so (``use_pair_layout``), else plain
-  for batch 1;
+  pair layout for as many rows as ``cpu_matmul`` says (``pair_rows``), else
+  plain for batch 1;
 - then the weights decoding streams every step (pair layout, plain, int8 rows) move
   onto transparent huge pages (``servelm.platform.memory``).
 
@@ -26,7 +26,7 @@ import os
 import torch
 from torch import nn
 
-from servelm.models.packed import PackedLinear, can_pack, replace_linears, use_pair_layout
+from servelm.models.packed import PackedLinear, can_pack, pair_rows, replace_linears
 from servelm.models.quantization import Int8Linear, quantize_int8
 from servelm.models.w8a8 import W8A8Linear, quantize_w8a8
 from servelm.platform.memory import huge_page_copies
@@ -42,12 +42,13 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def lay_out_weights(model: nn.Module, quantization: str, cpu_matmul: str) -> None:
+def lay_out_weights(model: nn.Module, quantization: str, cpu_matmul: str, speculation_rows: int = 0) -> None:
     """Replace ``model``'s linear layers by the layout that runs fastest where it lives, in place.
 
     ``quantization`` is ``none``, ``int8`` or ``w8a8`` (the last two CPU only: ValueError elsewhere);
-    ``cpu_matmul`` (``auto``, ``onednn`` or ``pairs``) picks the products of decoding's few rows on CPU
-    (``packed.use_pair_layout``).
+    ``cpu_matmul`` (``auto``, ``onednn`` or ``pairs``) picks the products of decoding's few rows on CPU,
+    with ``speculation_rows`` (the most rows a speculative engine verifies in a step) taken into account
+    (``packed.pair_rows``).
     """
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
@@ -64,11 +65,11 @@ def lay_out_weights(model: nn.Module, quantization: str, cpu_matmul: str) -> Non
         count = quantize_w8a8(model, _tied_head(model))
         logger.info("quantized %d linear layers to int8 weights and activations (w8a8)", count)
     elif can_pack(dtype, device):
-        _pack(model, device, cpu_matmul)
+        _pack(model, device, cpu_matmul, speculation_rows)
     _stream_from_huge_pages(model, device)
 
 
-def _pack(model: nn.Module, device: torch.device, cpu_matmul: str) -> None:
+def _pack(model: nn.Module, device: torch.device, cpu_matmul: str, speculation_rows: int) -> None:
     # Decoding reads a second copy of the weights faster than oneDNN's packed one (packed.py): in the
     # small-GEMM kernel's pair layout where cpu_matmul says so (with a tied head's too), else plain for batch 1
     # (a tied head's plain weight is the embedding). It is kept only while it takes at most a quarter
@@ -76,9 +77,10 @@ def _pack(model: nn.Module, device: torch.device, cpu_matmul: str) -> None:
     plain_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, nn.Linear))
     head = _tied_head(model)
     budget = free_memory_bytes(device) // 4
-    keep_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget and use_pair_layout(cpu_matmul)
+    fits_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget
+    rows = pair_rows(cpu_matmul, speculation_rows) if fits_pairs else 0
     keep_plain = plain_bytes <= budget
-    make = functools.partial(PackedLinear, keep_plain=keep_plain, keep_pairs=keep_pairs)
+    make = functools.partial(PackedLinear, keep_plain=keep_plain, pair_rows=rows)
     count = replace_linears(model, make, head)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     kept = [

@@ -17,7 +17,7 @@ from servelm import kernels
 from servelm.layers.attention import AttentionMetadata
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM, build_empty_model
-from servelm.models.packed import PackedLinear, can_pack, replace_linears
+from servelm.models.packed import PAIR_MAX_ROWS, PackedLinear, can_pack, replace_linears
 from servelm.models.quantization import quantize_int8
 from servelm.models.w8a8 import quantize_w8a8
 
@@ -128,7 +128,8 @@ def tiny_llama_model(weights: str, **overrides) -> tuple[LlamaForCausalLM, Model
         if not can_pack(torch.bfloat16, torch.device("cpu")):
             pytest.skip("this torch build has no oneDNN bfloat16 packing")
         # "pairs": the small-GEMM layout where it runs (not for the 120-row head, which stays plain)
-        replace_linears(model, functools.partial(PackedLinear, keep_plain=True, keep_pairs=weights == "pairs"), head)
+        rows = PAIR_MAX_ROWS if weights == "pairs" else 0
+        replace_linears(model, functools.partial(PackedLinear, keep_plain=True, pair_rows=rows), head)
     return model, config
 
 

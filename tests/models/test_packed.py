@@ -13,7 +13,14 @@ from torch import nn
 from servelm import kernels
 from servelm.kernels import build
 from servelm.models import packed as packed_mod
-from servelm.models.packed import PackedLinear, can_pack, pairs_beat_onednn, replace_linears, use_pair_layout
+from servelm.models.packed import (
+    PAIR_MAX_ROWS,
+    PackedLinear,
+    can_pack,
+    pair_rows,
+    replace_linears,
+    timed_pair_rows,
+)
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.bfloat16, torch.device("cpu")), reason="this torch build has no oneDNN bfloat16 packing"
@@ -49,7 +56,7 @@ def test_a_few_rows_go_to_the_small_gemm_over_the_pair_layout(rows, with_bias):
     bias = torch.randn(96).to(torch.bfloat16) if with_bias else None
     x = torch.randn(rows, 64).to(torch.bfloat16)
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    layer = PackedLinear(weight, bias, keep_pairs=True)
+    layer = PackedLinear(weight, bias, pair_rows=PAIR_MAX_ROWS)
     # On an AVX512-BF16 CPU with the kernels built the layer must hold the pair layout, so this tests the kernel.
     assert (layer.pair_weight is not None) == (kernels.cpu_kernels() is not None and has_avx512_bf16())
     got = layer(x)
@@ -60,7 +67,7 @@ def test_a_few_rows_go_to_the_small_gemm_over_the_pair_layout(rows, with_bias):
 @pytest.mark.parametrize("shape", [(80, 64), (96, 63)])  # 80 outputs: not whole blocks of 32; odd K
 def test_shapes_the_small_gemm_cannot_take_stay_on_onednn(native_kernels, shape):
     weight = torch.randn(*shape).to(torch.bfloat16)
-    layer = PackedLinear(weight, keep_pairs=True)
+    layer = PackedLinear(weight, pair_rows=PAIR_MAX_ROWS)
     assert layer.pair_weight is None
     x = torch.randn(8, shape[1]).to(torch.bfloat16)
     expected = F.linear(x.float(), weight.float())
@@ -69,7 +76,7 @@ def test_shapes_the_small_gemm_cannot_take_stay_on_onednn(native_kernels, shape)
 
 def test_without_the_kernels_the_small_gemm_is_not_chosen(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
-    assert pairs_beat_onednn.__wrapped__() is False  # not the cached answer: this call's
+    assert timed_pair_rows.__wrapped__() == 0  # not the cached answer: this call's
 
 
 def small_gemm_runs_here() -> bool:
@@ -77,38 +84,54 @@ def small_gemm_runs_here() -> bool:
 
 
 def test_a_pinned_cpu_matmul_runs_no_timing_and_says_so_once(monkeypatch, caplog):
-    monkeypatch.setattr(packed_mod, "pairs_beat_onednn", lambda: pytest.fail("timed although pinned"))
+    monkeypatch.setattr(packed_mod, "timed_pair_rows", lambda: pytest.fail("timed although pinned"))
     with caplog.at_level(logging.INFO, logger="servelm.models.packed"):
-        assert use_pair_layout("onednn") is False
+        assert pair_rows("onednn") == 0
     assert caplog.messages == ["cpu_matmul onednn: decoding's small matmuls use oneDNN, as pinned"]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="servelm.models.packed"):
-        assert use_pair_layout("pairs") is small_gemm_runs_here()
+        assert pair_rows("pairs") == (PAIR_MAX_ROWS if small_gemm_runs_here() else 0)
     assert len(caplog.messages) == 1 and caplog.messages[0].startswith("cpu_matmul pairs:")
 
 
 def test_pairs_pinned_where_the_small_gemm_cannot_run_warns_and_keeps_onednn(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
     with caplog.at_level(logging.WARNING, logger="servelm.models.packed"):
-        assert use_pair_layout("pairs") is False
+        assert pair_rows("pairs") == 0
     assert "does not run here" in caplog.text and "using oneDNN" in caplog.text
 
 
 def test_auto_times_once_per_process_and_logs_the_figures(caplog):
-    pairs_beat_onednn.cache_clear()
+    timed_pair_rows.cache_clear()
     with caplog.at_level(logging.INFO, logger="servelm.models.packed"):
-        choices = {use_pair_layout("auto") for _ in range(3)}
+        choices = {pair_rows("auto") for _ in range(3)}
     assert len(choices) == 1 and len(caplog.messages) == 1
-    if small_gemm_runs_here():
-        figures = r"takes \d+\.\d+ ms in the pair layout vs \d+\.\d+ ms in oneDNN's: decoding's small matmuls use "
-        assert re.search(figures + ("the pair layout" if choices == {True} else "oneDNN"), caplog.messages[0])
+    (rows,) = choices
+    if not small_gemm_runs_here():
+        assert rows == 0
+        return
+    assert rows in (1, PAIR_MAX_ROWS)  # one row at least: as fast as the GEMV, and alike in every engine
+    figures = r"takes \d+\.\d+ ms in the pair layout vs \d+\.\d+ ms in oneDNN's: "
+    verdict = f"up to {rows} {'row uses' if rows == 1 else 'rows use'} the pair layout, more oneDNN"
+    assert re.search(figures + verdict + "$", caplog.messages[0])
+
+
+def test_a_speculative_engine_sends_every_verified_row_to_the_pair_layout(monkeypatch, caplog):
+    """However the timing came out: verified tokens must get plain decoding's one-row arithmetic."""
+    for timed in (1, PAIR_MAX_ROWS):
+        monkeypatch.setattr(packed_mod, "timed_pair_rows", lambda timed=timed: timed)
+        expected = max(timed, 20) if small_gemm_runs_here() else 0
+        assert pair_rows("auto", speculation_rows=20) == expected
+        assert pair_rows("auto", speculation_rows=500) == (PAIR_MAX_ROWS if small_gemm_runs_here() else 0)
+        assert pair_rows("auto") == (timed if small_gemm_runs_here() else 0)
+    assert pair_rows("onednn", speculation_rows=20) == 0  # pinned is pinned
 
 
 @pytest.mark.model
 def test_cpu_matmul_onednn_keeps_plain_weights_without_timing(monkeypatch):
     from servelm import LLM
 
-    monkeypatch.setattr(packed_mod, "pairs_beat_onednn", lambda: pytest.fail("timed although pinned"))
+    monkeypatch.setattr(packed_mod, "timed_pair_rows", lambda: pytest.fail("timed although pinned"))
     llm = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20, cpu_matmul="onednn")
     packed = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
     assert all(m.pair_weight is None and m.plain_weight is not None for m in packed)
@@ -120,7 +143,7 @@ def test_extra_weight_copies_are_dropped_where_they_do_not_fit(monkeypatch, free
     """A quarter of the free memory is the budget: 64 MiB holds no copy, 240 MiB the plain one (212 MB; the
     tied head's is the embedding) but not the pair layout (269 MB with the head's), 300 MiB the pair layout,
     which then serves batch 1 too, so no layer keeps a plain copy besides."""
-    if pairs and not pairs_beat_onednn():
+    if pairs and not timed_pair_rows():
         pytest.skip("the pair layout is kept only where the small GEMM beats oneDNN (not on this CPU)")
     from servelm import LLM
     from servelm.models import weight_layout
@@ -159,7 +182,8 @@ def test_engine_in_bfloat16_packs_its_layers_and_stays_close_to_float32(llm):
     # A 135M model's decoding copy fits beside the packed weights: in the pair layout on an AVX512-BF16 CPU
     # (the tied head's too), elsewhere plain (the tied head's plain weight being the embedding itself).
     down, head = model.model.layers[0].mlp.down_proj, model.lm_head
-    assert (down.pair_weight is not None) == pairs_beat_onednn()
+    assert (down.pair_weight is not None) == (timed_pair_rows() > 0)
+    assert down.pair_rows == timed_pair_rows()
     if down.pair_weight is not None:
         assert head.pair_weight is not None and down.plain_weight is None and head.plain_weight is None
     else:
