@@ -9,7 +9,9 @@ them), and each candidate's best time counts:
 - with M up to 64 also ``bf16 pairs``: servelm's small bfloat16 GEMM, what
   unquantized bfloat16 decoding runs on AVX512-BF16 CPUs (``cpu_matmul``);
 - ``w8a8``: ``W8A8Linear``'s kernel over bfloat16 activations (quantizing the
-  rows on the fly is inside the timing);
+  rows on the fly is inside the timing), on AMX-INT8 tiles where the CPU has
+  them (from 8 rows), else AVX512-VNNI;
+- where AMX runs, also ``w8a8 vnni``: the same kernel with AMX turned off;
 - with M = 1 also ``int8 gemv``: the weight-only int8 matrix-vector kernel
   that ``W8A8Linear`` runs for one row instead (the reason it does).
 
@@ -32,7 +34,7 @@ import torch
 from machine_limits import add_gemm_option
 
 SMOLLM_LAYERS = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N): qkv, o, gate_up, down
-COLUMNS = ("bf16 oneDNN", "bf16 pairs", "int8 gemv", "w8a8")
+COLUMNS = ("bf16 oneDNN", "bf16 pairs", "int8 gemv", "w8a8 vnni", "w8a8")
 DEFAULT_GEMMS = ["2048x896x4864"] + [f"{m}x{k}x{n}" for m in (2048, 32, 1) for k, n in SMOLLM_LAYERS]
 
 
@@ -48,16 +50,32 @@ def candidates(m: int, k: int, n: int) -> dict[str, object]:
     layer, packed = W8A8Linear(weight), PackedLinear(weight)
     if layer.packed is None:
         raise SystemExit("the W8A8 kernel does not run on this CPU (no AVX512-VNNI)")
-    runs = {
-        "bf16 oneDNN": lambda: packed(x),
-        "w8a8": lambda: native.w8a8_linear(x, layer.packed, layer.weight_scales, n),
-    }
+
+    def w8a8(amx: bool):
+        def run():
+            native.w8a8_use_amx(amx)
+            return native.w8a8_linear(x, layer.packed, layer.weight_scales, n)
+
+        return run
+
+    runs = {"bf16 oneDNN": lambda: packed(x), "w8a8": w8a8(True)}
+    if native.w8a8_use_amx():
+        runs["w8a8 vnni"] = w8a8(False)
     pairs = native.pack_pairs(weight) if m <= PAIR_MAX_ROWS else None
     if pairs is not None:
         runs["bf16 pairs"] = lambda: native.gemm_pairs(x, pairs, n)
     if m == 1:
         runs["int8 gemv"] = lambda: native.int8_linear(x, layer.qweight, layer.scales)
     return runs
+
+
+def restore_amx() -> None:
+    """AMX on again (the default where it runs), whichever candidate ran last."""
+    from servelm import kernels
+
+    native = kernels.cpu_kernels()
+    if native is not None:
+        native.w8a8_use_amx(True)
 
 
 def best_times(runs: dict[str, object], repeats: int) -> dict[str, float]:
@@ -87,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'M x K x N':>16s}" + "".join(f"{name:>13s}" for name in (*COLUMNS, "w8a8/bf16")))
     with torch.inference_mode():
         for m, k, n in args.gemm:
-            best = best_times(candidates(m, k, n), args.repeats)
+            try:
+                best = best_times(candidates(m, k, n), args.repeats)
+            finally:
+                restore_amx()
             rate = {name: 2 * m * k * n / t / 1e9 for name, t in best.items()}
             cells = "".join(f"{rate[name]:13.1f}" if name in rate else f"{'-':>13s}" for name in COLUMNS)
             bf16 = max(rate.get("bf16 oneDNN", 0.0), rate.get("bf16 pairs", 0.0))

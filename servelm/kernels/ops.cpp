@@ -300,7 +300,7 @@ at::Tensor w8a8_linear(const at::Tensor &x_arg, const at::Tensor &packed, const 
     // Each int32 sum adds in_features products of at most 255 * 127.
     CHECK_ARG(x_arg.size(1) <= 65536, op, ": in_features up to 65536 (int32 sums), not ", x_arg.size(1));
     CHECK_ARG(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
-                  packed.size(0) == w8a8_packed_bytes(out_features, x_arg.size(1)),
+                  w8a8_packed_matches(packed.data_ptr<int8_t>(), packed.size(0), out_features, x_arg.size(1)),
               op, ": packed must be w8a8_pack's int8 tensor for [out_features, x's in_features]");
     CHECK_ARG(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == out_features &&
                   scales.is_contiguous(),
@@ -321,6 +321,8 @@ at::Tensor w8a8_linear(const at::Tensor &x_arg, const at::Tensor &packed, const 
     return out;
 }
 
+bool w8a8_use_amx(std::optional<bool> enable) { return ::w8a8_use_amx(enable ? int(*enable) : -1) != 0; }
+
 }  // namespace servelm
 
 TORCH_LIBRARY_FRAGMENT(servelm, m) {
@@ -337,6 +339,7 @@ TORCH_LIBRARY_FRAGMENT(servelm, m) {
     m.def("gemm_pairs(Tensor x, Tensor pairs, int out_features, Tensor? bias=None) -> Tensor");
     m.def("w8a8_pack(Tensor qweight) -> Tensor?");
     m.def("w8a8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias=None) -> Tensor");
+    m.def("w8a8_use_amx(bool? enable=None) -> bool", &servelm::w8a8_use_amx);  // no tensor: every backend
 }
 
 TORCH_LIBRARY_IMPL(servelm, CPU, m) {

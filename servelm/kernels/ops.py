@@ -73,6 +73,7 @@ class CpuKernels:
         self._gemm_pairs = ops.gemm_pairs.default
         self._w8a8_pack = ops.w8a8_pack.default
         self._w8a8_linear = ops.w8a8_linear.default
+        self._w8a8_use_amx = ops.w8a8_use_amx.default
 
     @staticmethod
     def supports(*tensors: torch.Tensor) -> bool:
@@ -167,8 +168,8 @@ class CpuKernels:
 
     def w8a8_pack(self, qweight: torch.Tensor) -> torch.Tensor | None:
         """An int8 ``qweight`` ``[N, K]`` in ``w8a8_linear``'s layout (an opaque 1-D int8 tensor: 16 outputs x 4
-        of K per vector, then each output's zero-point compensation), or None where that kernel does not run
-        (no AVX512-VNNI)."""
+        of K per vector, then each output's zero-point compensation, then N and K), or None where that kernel
+        does not run (no AVX512-VNNI)."""
         return self._w8a8_pack(qweight)
 
     def w8a8_linear(
@@ -184,6 +185,12 @@ class CpuKernels:
         times float32 ``scales`` ``[out_features]`` per output with int32 sums, scaled back and ``bias`` (x's
         dtype, ``[out_features]``) added in float32, rounded once to x's dtype. Returns ``[M, out_features]``."""
         return self._w8a8_linear(x, packed, scales, out_features, bias)
+
+    def w8a8_use_amx(self, enable: bool | None = None) -> bool:
+        """Whether ``w8a8_linear`` runs 8 rows or more on AMX-INT8 tiles (CPUs that have them, where Linux grants
+        them), not AVX512-VNNI; ``enable`` turns that on or off for the whole process first. Both give the same int32
+        sums, so the same output to the last bit: the switch is for comparing the two."""
+        return self._w8a8_use_amx(enable)
 
     def one_token_decoder(
         self,

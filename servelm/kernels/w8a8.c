@@ -14,12 +14,25 @@
  * The packed weight (w8a8_pack): N rounded up to 16 (Np), K to 4 (Kp), zeros
  * in the padding; element (n, k) at ((n / 16) * (Kp / 4) + k / 4) * 64 +
  * (n % 16) * 4 + k % 4, so that 16 outputs x 4 of K are one vector; then Np
- * int32 compensations. A tile of up to TILE_ROWS rows x TILE_BLOCKS blocks of
+ * int32 compensations, and N and K as int32. A tile of up to TILE_ROWS rows x TILE_BLOCKS blocks of
  * 16 outputs keeps its sums in registers, each row's 4 bytes broadcast
  * against each block's vector; threads split the outputs into panels of
  * TILE_BLOCKS blocks (a panel's weights stay in the core's L2 while every
  * row passes over them). Elsewhere w8a8_supported() is 0 and callers keep
- * PyTorch's path. Built at first use by servelm/kernels. */
+ * PyTorch's path. Built at first use by servelm/kernels.
+ *
+ * On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) the same packed
+ * weight feeds the tile unit instead: a B tile is 16 rows of 64 bytes, each
+ * row one group of 4 of K for 16 outputs, which is exactly 16 consecutive
+ * vectors of the layout above (K is padded to 64 for it). tdpbssd multiplies
+ * signed bytes on both sides, so the rows are quantized without the +128 and
+ * need no compensation; one instruction does 16 x 16 x 64 multiply-adds, 16
+ * times vpdpbusd's work. Each step of 64 of K loads 2 tiles of 16 rows and 2
+ * tiles of 16 outputs and multiplies them into 4 tiles of sums (32 rows x 32
+ * outputs), which then go through the same scaling as the VNNI tile's.
+ * Linux hands out the tile registers only on request (arch_prctl), once per
+ * process; where that fails, or after w8a8_use_amx(0), the VNNI path runs,
+ * with sums identical to the last bit. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,7 +43,23 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define W8A8_VNNI 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define W8A8_AMX 1
 #endif
+#endif
+
+/* K is padded to a whole tile row of bytes where AMX may run, to 4 (one vpdpbusd group) elsewhere. */
+#ifdef W8A8_AMX
+#define K_ALIGN 64
+#else
+#define K_ALIGN 4
+#endif
+#define AMX_ROWS 32 /* rows per AMX step: 2 tiles of 16 */
+/* Fewer rows stay on VNNI: its 6-row tile reads each weight vector once for them, and AMX's set-up (the tile
+ * configuration, a zeroed tile of 16 rows) is no longer paid back (bench/w8a8_gemm.py). */
+#define AMX_MIN_ROWS 8
 
 #define TILE_ROWS 6   /* 6 rows x 4 blocks of sums, 4 of weights, 1 broadcast: 29 of the 32 registers */
 #define TILE_BLOCKS 4 /* 64 outputs per panel */
@@ -49,11 +78,44 @@ int w8a8_supported(void) {
 #endif
 }
 
-int64_t w8a8_packed_bytes(int64_t N, int64_t K) { return round_up(N, 16) * round_up(K, 4) + 4 * round_up(N, 16); }
+int64_t w8a8_packed_bytes(int64_t N, int64_t K) {
+    return round_up(N, 16) * round_up(K, K_ALIGN) + 4 * round_up(N, 16) + 2 * 4;
+}
+
+/* The packed weight ends with its N and K as int32, since the padded size alone no longer tells K apart. */
+int w8a8_packed_matches(const int8_t *packed, int64_t bytes, int64_t N, int64_t K) {
+    int32_t shape[2];
+    if (bytes != w8a8_packed_bytes(N, K)) return 0;
+    memcpy(shape, packed + bytes - sizeof shape, sizeof shape);
+    return shape[0] == N && shape[1] == K;
+}
+
+#ifdef W8A8_AMX
+static int amx_permission = -1; /* not asked yet; then 1 granted, 0 refused */
+static int amx_enabled = 1;
+
+/* Ask Linux for the tile registers (ARCH_REQ_XCOMP_PERM for XTILEDATA), once per process. */
+static int amx_active(void) {
+    if (amx_permission < 0) amx_permission = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_enabled && amx_permission;
+}
+#endif
+
+int w8a8_use_amx(int want) {
+#ifdef W8A8_AMX
+    if (want >= 0) amx_enabled = want;
+    return amx_active();
+#else
+    (void)want;
+    return 0;
+#endif
+}
 
 void w8a8_pack(const int8_t *w, int64_t N, int64_t K, int8_t *packed, int nthreads) {
-    const int64_t Np = round_up(N, 16), Kp = round_up(K, 4);
+    const int64_t Np = round_up(N, 16), Kp = round_up(K, K_ALIGN);
     int32_t *comp = (int32_t *)(packed + Np * Kp);
+    const int32_t shape[2] = {(int32_t)N, (int32_t)K};
+    memcpy(comp + Np, shape, sizeof shape);
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")
     for (int64_t block = 0; block < Np / 16; block++) {
         int8_t *dst = packed + block * 16 * Kp;
@@ -71,8 +133,11 @@ void w8a8_pack(const int8_t *w, int64_t N, int64_t K, int8_t *packed, int nthrea
 }
 
 #ifdef W8A8_VNNI
-/* Row m of x (bfloat16 bits or float32) as Kp bytes q + 128 (the padding 128: zero), and its scale. */
-static void quantize_row(const void *x, int x_bf16, int64_t m, int64_t K, int64_t Kp, uint8_t *q, float *scale) {
+/* Row m of x (bfloat16 bits or float32) as Kp bytes q + zero_point (the padding: zero_point, a zero), and its
+ * scale: q + 128 for vpdpbusd's unsigned side, q itself for tdpbssd. Each 64 bytes of the row go chunk_stride
+ * bytes after the last: 64 for a plain row, 1024 for a row of an AMX tile (16 rows x 64 bytes in a row). */
+static void quantize_row(const void *x, int x_bf16, int64_t m, int64_t K, int64_t Kp, int zero_point,
+                         int64_t chunk_stride, uint8_t *q, float *scale) {
     const uint16_t *xb = (const uint16_t *)x + m * K;
     const float *xf = (const float *)x + m * K;
     __m512 amax = _mm512_setzero_ps();
@@ -84,14 +149,14 @@ static void quantize_row(const void *x, int x_bf16, int64_t m, int64_t K, int64_
     const float top = _mm512_reduce_max_ps(amax);
     *scale = top / 127.f;
     const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
-    const __m512i zero_point = _mm512_set1_epi32(128);
+    const __m512i zp = _mm512_set1_epi32(zero_point);
     for (int64_t k = 0; k < Kp; k += 16) {
         const __mmask16 in = (__mmask16)(K - k >= 16 ? 0xFFFF : K > k ? (1u << (K - k)) - 1 : 0);
         const __mmask16 out = (__mmask16)(Kp - k >= 16 ? 0xFFFF : (1u << (Kp - k)) - 1);
         const __m512 v = x_bf16 ? widen16_bits(_mm256_maskz_loadu_epi16(in, xb + k)) : _mm512_maskz_loadu_ps(in, xf + k);
         /* round to nearest even; |v| * inv <= 127, so q + 128 is in [1, 255] */
-        const __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)), zero_point);
-        _mm_mask_storeu_epi8(q + k, out, _mm512_cvtepi32_epi8(qi));
+        const __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)), zp);
+        _mm_mask_storeu_epi8(q + k / 64 * chunk_stride + k % 64, out, _mm512_cvtepi32_epi8(qi));
     }
 }
 
@@ -127,13 +192,14 @@ TILE_FNS(1) TILE_FNS(2) TILE_FNS(3) TILE_FNS(4) TILE_FNS(5) TILE_FNS(6)
 static const tile_fn TILES[TILE_ROWS][TILE_BLOCKS] = {TILE_ROW(1), TILE_ROW(2), TILE_ROW(3),
                                                       TILE_ROW(4), TILE_ROW(5), TILE_ROW(6)};
 
-/* out[r][n0 + j] = (sums[r][j] - comp) * row scale * output scale + bias, for rows x cols (masked past N). */
+/* out[r][n0 + j] = (sums[r][j] - comp) * row scale * output scale + bias, for rows x cols (masked past N);
+ * comp NULL: none (the AMX sums). */
 static void scale_out(int32_t (*sums)[64], int rows, int64_t cols, const float *row_scales, const int32_t *comp,
                       const float *scales, const void *bias, int x_bf16, int64_t n0, int64_t N, void *out) {
     for (int64_t j = 0; j < cols; j += 16) {
         const int64_t n = n0 + j;
         const __mmask16 mask = (__mmask16)(N - n >= 16 ? 0xFFFF : (1u << (N - n)) - 1);
-        const __m512i c = _mm512_loadu_si512(comp + n);
+        const __m512i c = comp ? _mm512_loadu_si512(comp + n) : _mm512_setzero_si512();
         const __m512 s = _mm512_maskz_loadu_ps(mask, scales + n);
         __m512 bv = _mm512_setzero_ps();
         if (bias)
@@ -157,12 +223,109 @@ static void scale_out(int32_t (*sums)[64], int rows, int64_t cols, const float *
         }
     }
 }
+
+#ifdef W8A8_AMX
+/* A work item: up to 256 rows x 8 pairs of blocks (256 outputs). Its rows' tiles for one step (32 rows of K
+ * int8: 28 KiB at K = 896) stay in L1 while the item's 8 pairs of weight blocks (in L2) pass over them; each
+ * weight block is read from beyond L2 once per 256 rows, each row once per 256 outputs. */
+#define AMX_BLOCK_ROWS 256
+#define AMX_BLOCK_PAIRS 8
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* This thread's tiles, all 16 rows of 64 bytes: 0-3 sums, 4-5 rows of q, 6-7 blocks of the weight. */
+static void amx_configure(void) {
+    struct tile_config cfg __attribute__((aligned(64)));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* The int32 sums of 16 or 32 rows (lower: rows 16-31 too) of q (signed bytes, Kp a multiple of 64, in tiles: each
+ * 16 rows x 64 of K 1 KiB in a row) x the blocks of 16 outputs at w0 and w1 (w1 NULL: w0's alone), into
+ * sums[r][j]. A block's 16 groups of 4 of K in a step of 64 are 1 KiB in a row too. */
+static void amx_tile(const int8_t *q, int64_t Kp, int lower, const int8_t *w0, const int8_t *w1,
+                     int32_t (*sums)[64]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < Kp; k += 64) {
+        _tile_loadd(4, q + 16 * k, 64);
+        _tile_loadd(6, w0 + 16 * k, 64);
+        _tile_dpbssd(0, 4, 6);
+        if (w1) {
+            _tile_loadd(7, w1 + 16 * k, 64);
+            _tile_dpbssd(1, 4, 7);
+        }
+        if (lower) {
+            _tile_loadd(5, q + 16 * Kp + 16 * k, 64);
+            _tile_dpbssd(2, 5, 6);
+            if (w1) _tile_dpbssd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums[0], 256);
+    _tile_stored(1, sums[0] + 16, 256);
+    _tile_stored(2, sums[16], 256);
+    _tile_stored(3, sums[16] + 16, 256);
+}
+
+static void amx_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *packed, const float *scales,
+                     const void *bias, int64_t N, void *out, int nthreads) {
+    const int64_t Np = round_up(N, 16), Kp = round_up(K, K_ALIGN), Mp = round_up(M, AMX_ROWS);
+    int8_t *q = aligned_alloc(64, (size_t)(Mp * Kp));
+    /* the last step's rows past M multiply zeros: they are spread over its tiles, so those are cleared whole */
+    memset(q + M / 16 * 16 * Kp, 0, (size_t)((Mp - M / 16 * 16) * Kp));
+    float *row_scales = malloc(sizeof(float) * (size_t)M);
+    const int64_t pairs = (Np / 16 + 1) / 2, row_blocks = (Mp + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
+    const int64_t pair_blocks = (pairs + AMX_BLOCK_PAIRS - 1) / AMX_BLOCK_PAIRS;
+    const size_t out_size = x_bf16 ? 2 : 4;
+    _Pragma("omp parallel num_threads(nthreads)") {
+    _Pragma("omp for schedule(static)")
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x, x_bf16, m, K, Kp, 0, 1024, (uint8_t *)q + m / 16 * 16 * Kp + m % 16 * 64, row_scales + m);
+    amx_configure();
+    _Pragma("omp for collapse(2) schedule(static) nowait")
+    for (int64_t rb = 0; rb < row_blocks; rb++)
+        for (int64_t pb = 0; pb < pair_blocks; pb++) {
+            const int64_t m_end = (rb + 1) * AMX_BLOCK_ROWS < M ? (rb + 1) * AMX_BLOCK_ROWS : M;
+            const int64_t p_end = (pb + 1) * AMX_BLOCK_PAIRS < pairs ? (pb + 1) * AMX_BLOCK_PAIRS : pairs;
+            int32_t sums[AMX_ROWS][64] __attribute__((aligned(64)));
+            for (int64_t m = rb * AMX_BLOCK_ROWS; m < m_end; m += AMX_ROWS)
+                for (int64_t p = pb * AMX_BLOCK_PAIRS; p < p_end; p++) {
+                    const int64_t n0 = p * 32;
+                    const int8_t *w0 = packed + n0 * Kp, *w1 = n0 + 16 < Np ? w0 + 16 * Kp : NULL;
+                    amx_tile(q + m * Kp, Kp, M - m > 16, w0, w1, sums);
+                    scale_out(sums, M - m < AMX_ROWS ? (int)(M - m) : AMX_ROWS, w1 ? 32 : 16, row_scales + m, NULL,
+                              scales, bias, x_bf16, n0, N, (char *)out + (size_t)(m * N) * out_size);
+                }
+        }
+    _tile_release();
+    }
+    free(q);
+    free(row_scales);
+}
+#endif
 #endif
 
 void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *packed, const float *scales,
                const void *bias, int64_t N, void *out, int nthreads) {
+#ifdef W8A8_AMX
+    if (M >= AMX_MIN_ROWS && amx_active()) {
+        amx_gemm(x, x_bf16, M, K, packed, scales, bias, N, out, nthreads);
+        return;
+    }
+#endif
 #ifdef W8A8_VNNI
-    const int64_t Np = round_up(N, 16), Kp = round_up(K, 4);
+    const int64_t Np = round_up(N, 16), Kp = round_up(K, K_ALIGN);
     const int32_t *comp = (const int32_t *)(packed + Np * Kp);
     uint8_t *q = aligned_alloc(64, (size_t)round_up(M * Kp, 64));
     float *row_scales = malloc(sizeof(float) * (size_t)M);
@@ -172,7 +335,7 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
      * is scheduled again, which can cost more than the GEMM itself. */
     _Pragma("omp parallel num_threads(nthreads)") {
     _Pragma("omp for schedule(static)")
-    for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, K, Kp, q + m * Kp, row_scales + m);
+    for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, K, Kp, 128, 64, q + m * Kp, row_scales + m);
     _Pragma("omp for collapse(2) schedule(static) nowait") /* the region's end waits */
     for (int64_t p = 0; p < panels; p++)
         for (int64_t c = 0; c < chunks; c++) {

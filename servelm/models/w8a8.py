@@ -7,10 +7,11 @@ bfloat16 over a dequantized copy, ``w8a8`` quantizes each row of the
 activations on the fly (symmetric, one scale per token: max |x| / 127) and
 multiplies int8 by int8 with int32 sums, scaled back once per output. On CPUs
 with AVX512-VNNI that runs servelm's W8A8 GEMM (``servelm.kernels``, over the
-weights packed once at load), about twice the multiply rate of bfloat16: it
-is for prefill and batched decoding, which are bound by compute. Elsewhere
-(no compiler, no VNNI) ``torch._int_mm`` runs the same arithmetic, more slowly,
-after one warning.
+weights packed once at load), about twice the multiply rate of bfloat16's
+``vdpbf16ps``, and on CPUs with AMX-INT8 the same GEMM on the tile unit, twice
+the rate of oneDNN's AMX-BF16: it is for prefill and batched decoding, which
+are bound by compute. Elsewhere (no compiler, no VNNI) ``torch._int_mm`` runs
+the same arithmetic, more slowly, after one warning.
 
 One row (one sequence decoding) is bound by reading the weights, not by
 multiplying: it keeps the weight-only int8 matrix-vector kernel over the plain

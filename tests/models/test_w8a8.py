@@ -90,7 +90,40 @@ def test_the_packed_layout_is_made_where_the_kernel_runs(native_kernels):
     layer = W8A8Linear(torch.randn(33, 37))
     assert (layer.packed is not None) == (native_kernels.w8a8_pack(torch.zeros(1, 1, dtype=torch.int8)) is not None)
     if layer.packed is not None:
-        assert layer.packed.numel() == 48 * 40 + 4 * 48  # padded to 16 outputs x 4 inputs, then compensations
+        # Padded to 16 outputs x 4 inputs (64 inputs, a tile's row, where AMX may run), then compensations,
+        # then N and K.
+        sizes = {48 * 40 + 4 * 48 + 8, 48 * 64 + 4 * 48 + 8}
+        assert layer.packed.numel() in sizes
+        if native_kernels.w8a8_use_amx():
+            assert layer.packed.numel() == 48 * 64 + 4 * 48 + 8
+
+
+# Rows around AMX's steps (8 the first it takes, 16 one tile, 32 two) and past one 256-row work item; outputs
+# in an odd number of 16-blocks (the last step has one) and past one 256-output work item; inputs not a
+# multiple of 64 (a tile's row).
+AMX_SHAPES = [(7, 64, 32), (8, 37, 12), (16, 101, 33), (17, 64, 70), (33, 576, 200), (300, 100, 300)]
+
+
+@pytest.mark.parametrize(("m", "k", "n"), AMX_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_and_vnni_give_the_same_output_to_the_last_bit(native_kernels, m, k, n, dtype):
+    if not native_kernels.w8a8_use_amx():
+        pytest.skip("this CPU has no AMX-INT8 (or Linux did not grant its tiles): only the VNNI path runs")
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    layer = W8A8Linear(torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype))
+    x = (torch.randn(m, k, generator=gen) * torch.linspace(0.5, 3, m)[:, None]).to(dtype)
+    args = (x, layer.packed, layer.weight_scales, n, layer.bias)
+    try:
+        assert native_kernels.w8a8_use_amx(False) is False
+        vnni = native_kernels.w8a8_linear(*args)
+    finally:
+        assert native_kernels.w8a8_use_amx(True) is True
+    amx = native_kernels.w8a8_linear(*args)
+    assert torch.equal(amx, vnni)
+    # and both are the int8 product (the test above checks the path that runs by default in detail)
+    exact = int8_reference(x, layer)
+    rounding = 1e-5 if dtype == torch.float32 else 2**-8
+    assert ((amx.double() - exact).abs() <= rounding * exact.abs() + 1e-4).all()
 
 
 def w8a8_args(native_kernels) -> dict:
