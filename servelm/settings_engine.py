@@ -66,7 +66,8 @@ class EngineSettings(BaseModel):
         "weights: none, or int8 weight-only on CPU (per-row scales); int8 decodes one sequence faster than "
         "float32 and bfloat16 and keeps a float copy for large batches, so it uses more memory, not less; "
         "w8a8 (CPU) also quantizes activations per token and multiplies int8 by int8, for prefill and batched "
-        "decoding (up to twice bfloat16's rate with AVX512-VNNI; one sequence decodes as with int8); greedy "
+        "decoding (up to twice bfloat16's rate with AVX512-VNNI, on AMX-INT8 tiles where the CPU has them; one "
+        "sequence decodes as with int8); greedy "
         "outputs agree with unquantized ones closely but not exactly (docs/BENCHMARKS.md)",
         group="engine",
     )
