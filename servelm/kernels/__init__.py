@@ -15,7 +15,10 @@
 - ``gemv.c``: matrix-vector products for batch-1 decoding, bfloat16 and
   int8 weights, streaming each weight row once at close to memory speed, and
   a small GEMM for decoding a few dozen sequences over weights in its own
-  pair layout.
+  pair layout (AVX512-BF16, and on AMX CPUs the tile unit, whose own layout
+  it is).
+- ``amx.c``: what the AMX kernels share: Linux's permission to use the
+  tiles, and the tile configuration.
 - ``w8a8.c``: an int8 x int8 GEMM for ``--quantization w8a8`` on AVX512-VNNI
   CPUs (``vpdpbusd``), and on AMX-INT8 tiles (``tdpbssd``) from 8 rows where
   the CPU has them: each row of the activations rounded to int8 on the fly,

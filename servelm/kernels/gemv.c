@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "kernels.h"
 
@@ -244,5 +245,76 @@ void bf16_gemm_pairs(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pa
             }
         }
     }
+#endif
+}
+
+/* The same products on the AMX tile unit (tdpbf16ps), for CPUs that have it, where oneDNN would run them
+ * otherwise: the rows past what the AVX512-BF16 kernel above takes (packed.py). The pair layout is the tile
+ * unit's own: 16 consecutive pairs of K for 16 outputs are a tile of 16 rows x 64 bytes. Each step of 32 of
+ * K multiplies 2 tiles of 16 rows of x by the tiles of 2 blocks of 16 outputs into 4 tiles of float32 sums
+ * (32 rows x 32 outputs), added in K's order; threads split the outputs. Needs K a multiple of 32 (a tile's
+ * row); x is copied into a buffer whose rows past M are zeros, since tiles load 16 rows. Its sums are added
+ * in another order than the AVX512-BF16 kernel's, so the two are not interchangeable row for row (a
+ * speculative engine's verified rows all stay on that one: packed.pair_rows). */
+int bf16_pairs_amx_supported(int64_t K) {
+#ifdef KERNELS_AMX
+    return K % 32 == 0 && amx_granted();
+#else
+    (void)K;
+    return 0;
+#endif
+}
+
+void bf16_gemm_pairs_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pairs, const uint16_t *bias,
+                         int64_t N, uint16_t *out, int nthreads) {
+#ifdef KERNELS_AMX
+    const int64_t Mp = (M + 31) / 32 * 32, row_bytes = 2 * K;
+    uint16_t *xp = aligned_alloc(64, (size_t)(Mp * row_bytes));
+    memcpy(xp, x, (size_t)(M * row_bytes));
+    memset(xp + M * K, 0, (size_t)((Mp - M) * row_bytes));
+    _Pragma("omp parallel num_threads(nthreads)") {
+    amx_configure();
+    _Pragma("omp for schedule(static) nowait")
+    for (int64_t n32 = 0; n32 < N / 32; n32++) {
+        const uint16_t *w0 = pairs + 32 * n32 * K, *w1 = w0 + 16 * K;
+        float sums[32][32] __attribute__((aligned(64)));
+        for (int64_t m = 0; m < M; m += 32) {
+            const uint16_t *xm = xp + m * K;
+            const int lower = M - m > 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k = 0; k < K; k += 32) {
+                _tile_loadd(4, xm + k, row_bytes);
+                _tile_loadd(6, w0 + 16 * k, 64);
+                _tile_loadd(7, w1 + 16 * k, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (lower) {
+                    _tile_loadd(5, xm + 16 * K + k, row_bytes);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, sums[0], 128);
+            _tile_stored(1, sums[0] + 16, 128);
+            _tile_stored(2, sums[16], 128);
+            _tile_stored(3, sums[16] + 16, 128);
+            const __m512 b0 = bias ? widen16(bias + 32 * n32) : _mm512_setzero_ps();
+            const __m512 b1 = bias ? widen16(bias + 32 * n32 + 16) : _mm512_setzero_ps();
+            for (int64_t r = 0; r < 32 && m + r < M; r++) {
+                uint16_t *o = out + (m + r) * N + 32 * n32;
+                _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[r]), b0)));
+                _mm256_storeu_si256((__m256i *)(o + 16),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[r] + 16), b1)));
+            }
+        }
+    }
+    _tile_release();
+    }
+    free(xp);
+#else
+    (void)x, (void)M, (void)K, (void)pairs, (void)bias, (void)N, (void)out, (void)nthreads;
 #endif
 }

@@ -44,6 +44,10 @@ int bf16_pairs_supported(void);
 void bf16_pack_pairs(const uint16_t *w, int64_t N, int64_t K, uint16_t *pairs, int nthreads);
 void bf16_gemm_pairs(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pairs, const uint16_t *bias,
                      int64_t N, uint16_t *out, int nthreads);
+/* The same on AMX tiles: bf16_pairs_amx_supported(K) says where it runs (an AMX CPU, K a multiple of 32). */
+int bf16_pairs_amx_supported(int64_t K);
+void bf16_gemm_pairs_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pairs, const uint16_t *bias,
+                         int64_t N, uint16_t *out, int nthreads);
 
 /* w8a8.c: W [N, K] int8 packed by w8a8_pack into w8a8_packed_bytes(N, K) bytes; x and out [M, K] / [M, N]
  * bfloat16 (x_bf16) or float32, bias [N] of x's dtype or NULL, scales [N] float32. Without AVX512-VNNI,

@@ -260,7 +260,7 @@ std::optional<at::Tensor> pack_pairs(const at::Tensor &weight_arg) {
 }
 
 at::Tensor gemm_pairs(const at::Tensor &x_arg, const at::Tensor &pairs, int64_t out_features,
-                      const std::optional<at::Tensor> &bias) {
+                      const std::optional<at::Tensor> &bias, bool amx) {
     const char *op = "gemm_pairs";
     check_cpu(op, {&x_arg, &pairs});
     CHECK_ARG(bf16_pairs_supported(), op, ": this CPU has no AVX512-BF16, so no pair layout (pack_pairs gives None)");
@@ -272,9 +272,19 @@ at::Tensor gemm_pairs(const at::Tensor &x_arg, const at::Tensor &pairs, int64_t 
     const uint16_t *b = bias_bits(op, bias, out_features, bias_holder);
     const at::Tensor x = x_arg.contiguous();
     at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-    bf16_gemm_pairs(bits(x), x.size(0), x.size(1), bits(pairs), b, out_features, bits(out), at::get_num_threads());
+    if (amx) {
+        CHECK_ARG(bf16_pairs_amx_supported(x.size(1)), op,
+                  ": amx needs an AMX CPU (that Linux lets use it) and in_features a multiple of 32 (pairs_amx)");
+        bf16_gemm_pairs_amx(bits(x), x.size(0), x.size(1), bits(pairs), b, out_features, bits(out),
+                            at::get_num_threads());
+    } else {
+        bf16_gemm_pairs(bits(x), x.size(0), x.size(1), bits(pairs), b, out_features, bits(out),
+                        at::get_num_threads());
+    }
     return out;
 }
+
+bool pairs_amx(int64_t in_features) { return bf16_pairs_amx_supported(in_features) != 0; }
 
 std::optional<at::Tensor> w8a8_pack(const at::Tensor &qweight_arg) {
     const char *op = "w8a8_pack";
@@ -336,7 +346,8 @@ TORCH_LIBRARY_FRAGMENT(servelm, m) {
     m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
     m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("pack_pairs(Tensor weight) -> Tensor?");
-    m.def("gemm_pairs(Tensor x, Tensor pairs, int out_features, Tensor? bias=None) -> Tensor");
+    m.def("gemm_pairs(Tensor x, Tensor pairs, int out_features, Tensor? bias=None, bool amx=False) -> Tensor");
+    m.def("pairs_amx(int in_features) -> bool", &servelm::pairs_amx);  // no tensor: every backend
     m.def("w8a8_pack(Tensor qweight) -> Tensor?");
     m.def("w8a8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias=None) -> Tensor");
     m.def("w8a8_use_amx(bool? enable=None) -> bool", &servelm::w8a8_use_amx);  // no tensor: every backend

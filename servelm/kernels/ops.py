@@ -71,6 +71,7 @@ class CpuKernels:
         self._gemv = ops.gemv.default
         self._pack_pairs = ops.pack_pairs.default
         self._gemm_pairs = ops.gemm_pairs.default
+        self._pairs_amx = ops.pairs_amx.default
         self._w8a8_pack = ops.w8a8_pack.default
         self._w8a8_linear = ops.w8a8_linear.default
         self._w8a8_use_amx = ops.w8a8_use_amx.default
@@ -160,11 +161,22 @@ class CpuKernels:
         return self._pack_pairs(weight)
 
     def gemm_pairs(
-        self, x: torch.Tensor, pairs: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        pairs: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+        amx: bool = False,
     ) -> torch.Tensor:
         """``x W^T + b`` for a few bfloat16 rows ``x`` ``[M, K]``, with W ``[out_features, K]`` as
-        ``pack_pairs`` made it and ``bias`` ``[out_features]`` bfloat16; float32 sums rounded once. ``[M, N]``."""
-        return self._gemm_pairs(x, pairs, out_features, bias)
+        ``pack_pairs`` made it and ``bias`` ``[out_features]`` bfloat16; float32 sums rounded once. ``[M, N]``.
+        ``amx``: on the AMX tile unit (where ``pairs_amx(K)``), whose sums go in another order."""
+        return self._gemm_pairs(x, pairs, out_features, bias, amx)
+
+    def pairs_amx(self, in_features: int) -> bool:
+        """Whether ``gemm_pairs`` can run ``amx=True`` for ``in_features``: an AMX CPU that Linux lets use
+        its tiles, and ``in_features`` a multiple of 32."""
+        return self._pairs_amx(in_features)
 
     def w8a8_pack(self, qweight: torch.Tensor) -> torch.Tensor | None:
         """An int8 ``qweight`` ``[N, K]`` in ``w8a8_linear``'s layout (an opaque 1-D int8 tensor: 16 outputs x 4

@@ -70,6 +70,14 @@ def self_check(kernels: CpuKernels) -> None:
         rows, wide_bias = x.to(torch.bfloat16), torch.cat([bias, bias, bias[:8]])
         pairs_expected = rows.double() @ wide.double().T + wide_bias.double()
         checks["gemm_pairs"] = (lambda dt: kernels.gemm_pairs(rows, pairs, 32, wide_bias), pairs_expected)
+        if kernels.pairs_amx(64):  # the tile unit's rows of 32 of K: 64 inputs, the 40 and 24 of them again
+            wide64, rows64 = torch.cat([wide, wide[:, :24]], 1), torch.cat([rows, rows[:, :24]], 1)
+            pairs64 = kernels.pack_pairs(wide64)
+            amx_expected = rows64.double() @ wide64.double().T + wide_bias.double()
+            checks["gemm_pairs_amx"] = (
+                lambda dt: kernels.gemm_pairs(rows64, pairs64, 32, wide_bias, amx=True),
+                amx_expected,
+            )
     packed = kernels.w8a8_pack(qweight)
     if packed is not None:  # rows quantized as the kernel does (max |row| / 127), int8 sums exact
         xb, w8a8_bias = x.bfloat16().float(), res[0, :12].bfloat16().float()  # the same values in both dtypes
@@ -83,7 +91,7 @@ def self_check(kernels: CpuKernels) -> None:
     _check_prefill(kernels, gen)
     for name, (run, expected) in checks.items():
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-            if name in ("int8_linear", "gemv", "gemm_pairs"):
+            if name in ("int8_linear", "gemv", "gemm_pairs", "gemm_pairs_amx"):
                 tol = 1e-2  # bfloat16 in and out whatever the model's dtype
             got = run(dtype).double()
             if got.shape != expected.shape:

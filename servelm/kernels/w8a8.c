@@ -30,7 +30,7 @@
  * times vpdpbusd's work. Each step of 64 of K loads 2 tiles of 16 rows and 2
  * tiles of 16 outputs and multiplies them into 4 tiles of sums (32 rows x 32
  * outputs), which then go through the same scaling as the VNNI tile's.
- * Linux hands out the tile registers only on request (arch_prctl), once per
+ * Linux hands out the tile registers only on request (amx.h), once per
  * process; where that fails, or after w8a8_use_amx(0), the VNNI path runs,
  * with sums identical to the last bit. */
 #include <stdint.h>
@@ -40,12 +40,12 @@
 #include "bf16.h"
 #include "kernels.h"
 
+#include "amx.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define W8A8_VNNI 1
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#ifdef KERNELS_AMX
 #define W8A8_AMX 1
 #endif
 #endif
@@ -91,14 +91,9 @@ int w8a8_packed_matches(const int8_t *packed, int64_t bytes, int64_t N, int64_t 
 }
 
 #ifdef W8A8_AMX
-static int amx_permission = -1; /* not asked yet; then 1 granted, 0 refused */
 static int amx_enabled = 1;
 
-/* Ask Linux for the tile registers (ARCH_REQ_XCOMP_PERM for XTILEDATA), once per process. */
-static int amx_active(void) {
-    if (amx_permission < 0) amx_permission = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return amx_enabled && amx_permission;
-}
+static int amx_active(void) { return amx_enabled && amx_granted(); }
 #endif
 
 int w8a8_use_amx(int want) {
@@ -230,24 +225,6 @@ static void scale_out(int32_t (*sums)[64], int rows, int64_t cols, const float *
  * weight block is read from beyond L2 once per 256 rows, each row once per 256 outputs. */
 #define AMX_BLOCK_ROWS 256
 #define AMX_BLOCK_PAIRS 8
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* This thread's tiles, all 16 rows of 64 bytes: 0-3 sums, 4-5 rows of q, 6-7 blocks of the weight. */
-static void amx_configure(void) {
-    struct tile_config cfg __attribute__((aligned(64)));
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* The int32 sums of 16 or 32 rows (lower: rows 16-31 too) of q (signed bytes, Kp a multiple of 64, in tiles: each
  * 16 rows x 64 of K 1 KiB in a row) x the blocks of 16 outputs at w0 and w1 (w1 NULL: w0's alone), into

@@ -145,7 +145,9 @@ def timed_pair_rows() -> int:
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` through oneDNN with ``W`` prepacked; with ``pair_rows`` > 0, up to that many rows
     (at most ``PAIR_MAX_ROWS``) go to servelm's small-GEMM kernel over a copy of ``W`` in its pair layout
-    where that kernel runs (``pair_weight`` is None elsewhere); failing that, with ``keep_plain``, one row
+    where that kernel runs (``pair_weight`` is None elsewhere), and on AMX CPUs the rows past them up to
+    ``PAIR_MAX_ROWS`` to the same layout on the tile unit (``amx_pairs``), which multiplies decoding's few
+    dozen rows faster than oneDNN there (``bench/gemm.py``); failing that, with ``keep_plain``, one row
     goes to its matrix-vector kernel over the plain ``W`` where that is built."""
 
     def __init__(
@@ -158,6 +160,7 @@ class PackedLinear(nn.Module):
         self.pair_rows = min(pair_rows, PAIR_MAX_ROWS)
         native = kernels.for_tensors(weight) if self.pair_rows > 0 else None
         self.pair_weight = native.pack_pairs(weight.detach()) if native else None
+        self.amx_pairs = native is not None and self.pair_weight is not None and native.pairs_amx(self.in_features)
         # The pair layout serves one row as fast as the plain weight does: no need for both.
         self.plain_weight = weight.detach().contiguous() if keep_plain and self.pair_weight is None else None
 
@@ -173,8 +176,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         rows = flat.shape[0]
-        if rows <= self.pair_rows and self.pair_weight is not None and (native := kernels.for_tensors(flat)):
-            out = native.gemm_pairs(flat, self.pair_weight, self.out_features, self.bias)
+        pairs = self.pair_weight is not None and (rows <= self.pair_rows or (rows <= PAIR_MAX_ROWS and self.amx_pairs))
+        if pairs and (native := kernels.for_tensors(flat)):
+            amx = rows > self.pair_rows
+            out = native.gemm_pairs(flat, self.pair_weight, self.out_features, self.bias, amx=amx)
         elif rows == 1 and self.plain_weight is not None and (native := kernels.for_tensors(flat, self.plain_weight)):
             out = native.gemv(flat, self.plain_weight, self.bias)
         else:

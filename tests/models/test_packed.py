@@ -64,6 +64,44 @@ def test_a_few_rows_go_to_the_small_gemm_over_the_pair_layout(rows, with_bias):
     torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
+def amx_pairs_run_here() -> bool:
+    native = kernels.cpu_kernels()
+    return native is not None and native.pairs_amx(64)
+
+
+@pytest.mark.parametrize("rows", [2, 16, 17, 33, 64, 65])  # tiles of 16 rows, steps of 32; 65: oneDNN
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_on_amx_cpus_the_rows_past_pair_rows_go_to_the_tile_unit(rows, with_bias):
+    if not amx_pairs_run_here():
+        pytest.skip("no AMX tile unit here (or Linux did not grant it): oneDNN takes these rows")
+    torch.manual_seed(rows)
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    bias = torch.randn(96).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    layer = PackedLinear(weight, bias, pair_rows=1)
+    assert layer.amx_pairs
+    got = layer(x)
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    if rows <= PAIR_MAX_ROWS:
+        native = kernels.cpu_kernels()
+        assert torch.equal(got, native.gemm_pairs(x, layer.pair_weight, 96, bias, amx=True))
+
+
+def test_the_tile_unit_takes_only_whole_rows_of_32_inputs():
+    if not amx_pairs_run_here():
+        pytest.skip("no AMX tile unit here (or Linux did not grant it)")
+    native = kernels.cpu_kernels()
+    weight, x = torch.randn(96, 40).to(torch.bfloat16), torch.randn(20, 40).to(torch.bfloat16)
+    assert not native.pairs_amx(40)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.gemm_pairs(x, native.pack_pairs(weight), 96, amx=True)
+    layer = PackedLinear(weight, pair_rows=1)
+    assert layer.pair_weight is not None and not layer.amx_pairs  # 20 rows: oneDNN
+    expected = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
 @pytest.mark.parametrize("shape", [(80, 64), (96, 63)])  # 80 outputs: not whole blocks of 32; odd K
 def test_shapes_the_small_gemm_cannot_take_stay_on_onednn(native_kernels, shape):
     weight = torch.randn(*shape).to(torch.bfloat16)

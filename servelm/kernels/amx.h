@@ -1,0 +1,18 @@
+/* Intel AMX (the tile unit of Sapphire Rapids and later) for the kernels that use it: w8a8.c's int8 GEMM
+ * (tdpbssd) and gemv.c's bfloat16 one over the pair layout (tdpbf16ps). KERNELS_AMX is defined where this
+ * build targets AMX-INT8 and AMX-BF16 (-march=native on such a CPU) on Linux. */
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__linux__)
+#define KERNELS_AMX 1
+#include <immintrin.h>
+
+/* Linux hands out the tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), once
+ * per process: 1 where granted. */
+int amx_granted(void);
+
+/* This thread's tiles, all 16 rows of 64 bytes (both kernels' shape: a tile of sums is 16 x 16 32-bit
+ * values, a tile of operands 16 rows of 64 int8 or 32 bfloat16). */
+void amx_configure(void);
+#endif
