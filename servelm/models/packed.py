@@ -63,19 +63,18 @@ def pair_rows(cpu_matmul: str, speculation_rows: int = 0) -> int:
     if cpu_matmul == "onednn":
         logger.info("cpu_matmul onednn: decoding's small matmuls use oneDNN, as pinned")
         return 0
-    if _small_gemm_kernels() is None:
-        if cpu_matmul == "pairs":
-            logger.warning(
-                "cpu_matmul pairs: servelm's small-GEMM kernel does not run here (%s): using oneDNN", _NO_SMALL_GEMM
-            )
-        else:
-            logger.info("cpu_matmul auto: decoding's small matmuls use oneDNN (%s)", _NO_SMALL_GEMM)
+    if cpu_matmul == "auto":
+        rows = timed_pair_rows()  # 0 where the kernel does not run, said once
+        if rows == 0:
+            return 0
+    elif _small_gemm_kernels() is None:
+        logger.warning(
+            "cpu_matmul pairs: servelm's small-GEMM kernel does not run here (%s): using oneDNN", _NO_SMALL_GEMM
+        )
         return 0
-    if cpu_matmul == "pairs":
+    else:
         logger.info("cpu_matmul pairs: decoding's small matmuls use the pair layout, as pinned")
         rows = PAIR_MAX_ROWS
-    else:
-        rows = timed_pair_rows()
     wanted = min(speculation_rows, PAIR_MAX_ROWS)
     if wanted > rows:
         logger.info(
@@ -124,6 +123,7 @@ def timed_pair_rows() -> int:
     """
     native = _small_gemm_kernels()
     if native is None:
+        logger.info("cpu_matmul auto: decoding's small matmuls use oneDNN (%s)", _NO_SMALL_GEMM)
         return 0
     weight = torch.randn(3072, 576).to(torch.bfloat16)
     pairs = native.pack_pairs(weight)
