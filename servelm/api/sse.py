@@ -18,14 +18,19 @@ logger = logging.getLogger("servelm.api")
 
 DONE_EVENT = "data: [DONE]\n\n"
 
+# Characters that JSON leaves raw but str.splitlines() (and so httpx's aiter_lines) breaks lines at.
+# SSE ends lines at CR and LF alone, yet clients that read a stream with splitlines() are common:
+# escaped, a token that decodes to one of these cannot cut an event in two for them.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
 
 def sse_event(payload: BaseModel | dict[str, Any], exclude: set[str] | None = None) -> str:
-    """One SSE event carrying ``payload`` as compact JSON."""
+    """One SSE event carrying ``payload`` as compact JSON, on one line for any line splitter."""
     if isinstance(payload, BaseModel):
         data = payload.model_dump_json(exclude=exclude)
     else:
         data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {data}\n\n"
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
 
 
 class EventStreamResponse(StreamingResponse):

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from servelm.engine.outputs import CompletionOutput, RequestOutput
+
 from .fake_connector import BOS, CHAT_MODEL, VOCAB_SIZE, encode
 from .test_chat import NO_COMPLETION_DETAILS, chunks, events, fingerprint
 
@@ -211,3 +213,19 @@ async def test_error_in_one_prompt_aborts_the_others(client, fake):
 async def test_first_token_text_is_detokenized_once(client, fake):
     r = await complete(client, prompt=[BOS, 70], echo=True, logprobs=0, max_tokens=1)
     assert r.json()["choices"][0]["logprobs"]["tokens"][0] == ""
+
+
+async def test_stream_text_with_unicode_line_separators_stays_one_line_per_event(client, fake):
+    # U+2028, U+2029 and U+0085 are legal raw in JSON and in SSE, but str.splitlines() (and so
+    # httpx's aiter_lines, which many clients read streams with) breaks lines at them.
+    fake.script = [
+        RequestOutput("r", None, [1], [CompletionOutput(0, "a\u2028b", [5])], delta=True),
+        RequestOutput("r", None, [1], [CompletionOutput(0, "\u2029c\x85d", [6], finish_reason="stop")], True, True),
+    ]
+    async with client.stream(
+        "POST", "/v1/completions", json={"model": CHAT_MODEL, "prompt": "ab", "stream": True}
+    ) as r:
+        lines = [line async for line in r.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    texts = [json.loads(line.removeprefix("data: "))["choices"][0]["text"] for line in lines[:-1]]
+    assert "".join(texts) == "a\u2028b\u2029c\x85d"

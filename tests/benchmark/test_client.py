@@ -147,3 +147,15 @@ async def test_a_slow_request_times_out():
 async def test_long_error_messages_are_shortened():
     r = await send(lambda request: httpx.Response(400, json={"error": {"message": "x" * 1000}}))
     assert r.error is not None and len(r.error) <= 200 and r.error.endswith("...")
+
+
+async def test_text_with_unicode_line_separators_is_not_cut():
+    # Only CR and LF end an SSE line; a server may send U+2028 raw inside a JSON string.
+    def handler(request: httpx.Request) -> httpx.Response:
+        events = [text_chunk("a\u2028b"), text_chunk("c\x85d\u2029"), USAGE]
+        body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=body.encode())
+
+    r = await send(handler)
+    assert r.error is None
+    assert r.output_tokens == 4 and len(r.itl) == 1
