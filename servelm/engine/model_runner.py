@@ -102,9 +102,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks + graphs, self.block_size, self.dtype, self.device)
         self.graphs: DecodeGraphs | None = None
         if graphs:
-            self.graphs = DecodeGraphs(
+            recorder = DecodeGraphs(
                 self.model, self.kv_caches, config.max_num_seqs, self.max_model_len, self.block_size, self.num_blocks
             )
+            self.graphs = self.record_graphs(recorder)
         if self.draft is not None:
             self.draft.allocate(self.num_blocks, self.block_size)
         self.sampler = Sampler()
@@ -206,17 +207,20 @@ class ModelRunner:
                 )
         return result
 
+    @staticmethod
+    def record_graphs(graphs: DecodeGraphs) -> DecodeGraphs | None:
+        """``graphs`` with every bucket recorded, or None where the GPU or driver cannot record one."""
+        try:
+            graphs.record_all()
+        except RuntimeError:
+            # Decode eagerly, as with --no-cuda-graphs.
+            logger.exception("recording a CUDA graph failed; decoding without CUDA graphs")
+            return None
+        return graphs
+
     def _replayed(self, batch: FlatBatch) -> torch.Tensor | None:
         """A plain decoding step's hidden states from a CUDA graph, or None: no graphs, or none fits it."""
-        if self.graphs is None:
-            return None
-        try:
-            return self.graphs.run(batch)
-        except RuntimeError:
-            # A GPU or driver that cannot record one: decode eagerly from now on, as with --no-cuda-graphs.
-            logger.exception("recording a CUDA graph failed; decoding without CUDA graphs from now on")
-            self.graphs = None
-            return None
+        return self.graphs.run(batch) if self.graphs is not None else None
 
     def _sample(
         self, logits: torch.Tensor, plain: list[ScheduledSeq], sampling: dict[int, SamplingState], result: StepResult

@@ -8,6 +8,7 @@ buckets run eagerly (``record=False``): everything but the recording itself.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
 
@@ -30,11 +31,26 @@ def _engine(graphs: bool) -> LLM:
         runner.kv_caches = allocate_kv_caches(
             runner.model_config, runner.num_blocks + 1, runner.block_size, runner.dtype, runner.device
         )
-        runner.graphs = DecodeGraphs(
+        graphs = DecodeGraphs(
             runner.model, runner.kv_caches, 8, runner.max_model_len, runner.block_size, runner.num_blocks, record=False
         )
-    assert (runner.graphs is not None) == graphs
+        runner.graphs = runner.record_graphs(graphs)
     return llm
+
+
+def _replays(graphs: DecodeGraphs) -> Counter:
+    """Counts each bucket's replays from now on."""
+    counts: Counter = Counter()
+
+    def counted(key, step):
+        def replay():
+            counts[key] += 1
+            return step()
+
+        return replay
+
+    graphs.steps = {key: counted(key, step) for key, step in graphs.steps.items()}
+    return counts
 
 
 @pytest.fixture(params=["native", "torch"] if not ON_GPU else ["cuda"])
@@ -61,11 +77,17 @@ def _tokens(outputs) -> list[list[int]]:
 @pytest.mark.usefixtures("ops")
 def test_padded_decode_steps_give_the_eager_engines_tokens():
     eager, graphed = _engine(False), _engine(True)
+    graphs = graphed.engine.runner.graphs
+    # Every bucket was recorded at start-up: no step waits for a recording while serving.
+    recorded = set(graphs.steps)
+    assert recorded == {(size, blocks) for size in (1, 2, 4, 8) for blocks in _powers_up_to(graphs.max_blocks)}
+    replays = _replays(graphs)
     prompts, params = _workload(eager)
     expected = _tokens(eager.generate(prompts, params))
     assert _tokens(graphed.generate(prompts, params)) == expected
+    assert set(graphs.steps) == recorded
     # The batch went through several batch buckets, padded where it fell between them.
-    assert len({size for size, _blocks in graphed.engine.runner.graphs.steps}) >= 3
+    assert len({size for size, _blocks in replays}) >= 3
     # The finished requests' blocks stay in the prefix cache; had a padding row written into one,
     # a request that reuses it would go astray.
     again = graphed.generate(prompts[-2:], params[-2:])
@@ -86,14 +108,19 @@ def test_buckets_are_powers_of_two_up_to_the_limits():
 
 
 def test_a_graph_that_cannot_be_recorded_leaves_the_engine_decoding_eagerly(monkeypatch, caplog):
-    eager, graphed = _engine(False), _engine(True)
-    prompts, params = _workload(eager)
+    eager = _engine(False)
 
-    def refuse(size, blocks):
+    def refuse(self, size, blocks):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(graphed.engine.runner.graphs, "_recorded", refuse)
+    monkeypatch.setattr(DecodeGraphs, "_recorded", refuse)
     with caplog.at_level(logging.ERROR, logger="servelm.engine.model_runner"):
-        assert _tokens(graphed.generate(prompts, params)) == _tokens(eager.generate(prompts, params))
+        graphed = _engine(True)
     assert graphed.engine.runner.graphs is None
     assert "decoding without CUDA graphs" in caplog.text
+    prompts, params = _workload(eager)
+    assert _tokens(graphed.generate(prompts, params)) == _tokens(eager.generate(prompts, params))
+
+
+def _powers_up_to(limit: int) -> set[int]:
+    return {min(1 << i, limit) for i in range(limit.bit_length() + 1)}
