@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from servelm.clients import envelope_message, server_base_url
+from servelm.clients import envelope_message, server_base_url, sse_lines
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -89,7 +89,7 @@ def _stream_reply(client: httpx.Client, body: dict[str, Any], out: TextIO) -> tu
             if r.status_code != 200:
                 r.read()
                 return "", _error_message(r)
-            for line in r.iter_lines():
+            for line in sse_lines(r):
                 if not line.startswith("data: "):
                     continue
                 data = line[len("data: ") :]

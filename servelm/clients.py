@@ -1,9 +1,12 @@
 """What the client commands (``servelm chat``, ``servelm bench serve``) share: the
-server's base URL, the API key they send by default, and reading an error reply."""
+server's base URL, the API key they send by default, reading an error reply and
+splitting a stream into lines."""
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -29,3 +32,29 @@ def envelope_message(response: httpx.Response) -> Any:
         return response.json()["error"]["message"]
     except Exception:
         return None
+
+
+# SSE ends a line at CR, LF or CRLF alone. httpx's iter_lines/aiter_lines also end one at U+2028,
+# U+0085 and the like (as str.splitlines() does), which a server may send raw inside a JSON string.
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def sse_lines(response: httpx.Response) -> Iterator[str]:
+    """The lines of a streamed response, ended where SSE ends them."""
+    rest = ""
+    for text in response.iter_text():
+        *lines, rest = _SSE_LINE_END.split(rest + text)
+        yield from lines
+    if rest:
+        yield rest
+
+
+async def async_sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """:func:`sse_lines` for an async response."""
+    rest = ""
+    async for text in response.aiter_text():
+        *lines, rest = _SSE_LINE_END.split(rest + text)
+        for line in lines:
+            yield line
+    if rest:
+        yield rest

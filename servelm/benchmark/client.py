@@ -11,14 +11,13 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from servelm.benchmark.dataset import BenchRequest
-from servelm.clients import envelope_message
+from servelm.clients import async_sse_lines, envelope_message
 
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _MAX_MESSAGE = 200
@@ -87,22 +86,6 @@ def _http_error(response: httpx.Response) -> str:
     return _short(f"HTTP {response.status_code}: {detail if detail is not None else response.text}")
 
 
-_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
-
-
-async def _event_lines(response: httpx.Response) -> AsyncIterator[str]:
-    """The stream's lines, ended where SSE ends them: at CR and LF alone. httpx's aiter_lines also
-    breaks at U+2028, U+0085 and the like (str.splitlines()), which a server may send raw inside
-    a JSON string, cutting its event in two."""
-    rest = ""
-    async for text in response.aiter_text():
-        *lines, rest = _SSE_LINE_END.split(rest + text)
-        for line in lines:
-            yield line
-    if rest:
-        yield rest
-
-
 async def _stream(
     client: httpx.AsyncClient, path: str, body: dict[str, Any], result: RequestResult, chat: bool
 ) -> None:
@@ -119,7 +102,7 @@ async def _stream(
             result.e2e = time.perf_counter() - start
             return
         done = False
-        async for line in _event_lines(response):
+        async for line in async_sse_lines(response):
             if not line.startswith("data:"):
                 continue  # blank separators, comments, event: lines
             data = line[5:].strip()

@@ -10,6 +10,7 @@ import pytest
 
 from servelm.benchmark.client import SamplingOptions, request_body, send_request
 from servelm.benchmark.dataset import BenchRequest
+from servelm.clients import sse_lines
 
 REQ = BenchRequest(prompt=[5, 6, 7], prompt_len=3, output_len=4)
 
@@ -159,3 +160,16 @@ async def test_text_with_unicode_line_separators_is_not_cut():
     r = await send(handler)
     assert r.error is None
     assert r.output_tokens == 4 and len(r.itl) == 1
+
+
+def test_sse_lines_end_at_cr_and_lf_alone_wherever_the_chunks_break():
+    # What `servelm chat` reads its stream with (the benchmark's async twin is tested above).
+    body = ['data: {"t":"a\u2028b\x85"}\r', '\n\r\ndata: {"t":"c"}\n', "\ndata: [DO", "NE]"]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=iter(part.encode() for part in body))
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        with client.stream("GET", "http://t/") as response:
+            lines = [line for line in sse_lines(response) if line]
+    assert lines == ['data: {"t":"a\u2028b\x85"}', 'data: {"t":"c"}', "data: [DONE]"]
