@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from servelm.platform.arena import one_arena
+
+one_arena()  # before any thread of ours allocates: see servelm/platform/arena.py
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]

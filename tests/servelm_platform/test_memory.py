@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -59,6 +60,53 @@ def test_a_step_sized_block_above_the_mmap_threshold_is_reused_only_once_mmap_is
     # The heap grows for the first few (glibc sorts the freed blocks into its bins, and an aligned
     # request asks for a little more than the block freed), then the same pages serve every step.
     assert max(heap[-5:]) < pages // 10, heap
+
+
+# The engine's thread, started after its model was loaded in another thread that has ended, running
+# steps of varying sizes: each allocates and frees a layer's activations for a chunk of `rows` tokens.
+_THREAD_FAULTS = """
+import json, resource, threading, torch
+import servelm  # limits malloc to one arena (servelm/platform/arena.py) unless MALLOC_ARENA_MAX is set
+from servelm.platform.memory import heap_only, keep_freed_memory
+
+def step(rows=2048):  # minor page faults this thread takes (Qwen2.5-0.5B shape, bfloat16)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for _ in range(2):
+        x = torch.empty(rows * 896 * 2, dtype=torch.uint8).fill_(1)
+        gate_up = torch.empty(rows * 9728 * 2, dtype=torch.uint8).fill_(1)
+        act = torch.empty(rows * 4864 * 2, dtype=torch.uint8).fill_(1)
+        del gate_up
+        down = torch.empty(rows * 896 * 2, dtype=torch.uint8).fill_(1)
+        del x, act, down
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+assert keep_freed_memory()
+loader = threading.Thread(target=step)
+loader.start(); loader.join()
+assert heap_only()
+faults = []
+rows = [2048, 2048, 704, 32, 32, 2048, 1500, 32, 2048, 2048, 704, 32, 2048, 2048]
+engine = threading.Thread(target=lambda: faults.extend(step(r) for r in rows))
+engine.start(); engine.join()
+print(json.dumps(faults))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+@pytest.mark.parametrize("arenas", ["servelm's one", "glibc's default"])
+def test_the_engines_thread_keeps_its_step_memory_in_one_arena(arenas):
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    if arenas == "glibc's default":
+        env["MALLOC_ARENA_MAX"] = "8"  # servelm then leaves the arenas as glibc makes them
+    run = subprocess.run([sys.executable, "-c", _THREAD_FAULTS], capture_output=True, text=True, check=True, env=env)
+    faults = json.loads(run.stdout)
+    gate_up_pages = 2048 * 9728 * 2 // 4096
+    after_warm_up = sum(faults[6:])  # once the heap has grown to the largest step's blocks
+    if arenas == "servelm's one":
+        assert after_warm_up < gate_up_pages // 10, faults
+    elif not THP_ALWAYS:
+        # The thread's own arena unmaps heaps as they empty: later steps fault their memory in again.
+        assert after_warm_up > gate_up_pages, faults
 
 
 def test_huge_page_copies_hold_their_values_past_the_callers_references():
