@@ -131,13 +131,17 @@ def timed_pair_rows() -> int:
     x = torch.randn(32, 576).to(torch.bfloat16)
     best = _best_times({"pairs": lambda: native.gemm_pairs(x, pairs, 3072), "onednn": lambda: packed(x)})
     rows = PAIR_MAX_ROWS if best["pairs"] < best["onednn"] else 1
+    more = "oneDNN"
+    if rows < PAIR_MAX_ROWS and native.pairs_amx(576):
+        more = f"the same layout on AMX tiles up to {PAIR_MAX_ROWS} rows, then oneDNN"
     logger.info(
         "cpu_matmul auto: a [32, 576] x [576, 3072] bfloat16 matmul takes %.3f ms in the pair layout vs %.3f ms "
-        "in oneDNN's: up to %d %s the pair layout, more oneDNN",
+        "in oneDNN's: up to %d %s the pair layout, more %s",
         best["pairs"] * 1e3,
         best["onednn"] * 1e3,
         rows,
         "row uses" if rows == 1 else "rows use",
+        more,
     )
     return rows
 
