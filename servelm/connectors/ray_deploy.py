@@ -124,7 +124,13 @@ def build_app(plan: ReplicaPlan):
     router = "servelm.connectors.ray_router.PrefixAwareRouter"
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
-        "ray_actor_options": {"num_cpus": plan.replica_cpus, "num_gpus": plan.replica_gpus},
+        "ray_actor_options": {
+            "num_cpus": plan.replica_cpus,
+            "num_gpus": plan.replica_gpus,
+            # A Ray worker has threads before it imports servelm, too late for servelm/platform/arena.py's
+            # limit; glibc reads this one at the process's start.
+            "runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": "1"}},
+        },
         "max_ongoing_requests": plan.max_ongoing_requests,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "request_router_config": RequestRouterConfig(

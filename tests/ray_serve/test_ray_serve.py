@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -74,6 +75,9 @@ def test_replicas_on_both_nodes_serve(ray_deployment):
     running = [r for r in _replicas(url)["data"] if r["state"] == "RUNNING"]
     assert len(running) == 2
     assert len({r["node_id"] for r in running}) == 2  # one replica per node
+    for replica in running:  # both "nodes" run on this machine
+        environ = Path(f"/proc/{replica['pid']}/environ").read_bytes().split(b"\0")
+        assert b"MALLOC_ARENA_MAX=1" in environ  # one malloc arena from the start (servelm/platform/arena.py)
     before = _metrics(url)
     bodies = [
         {"messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}], "max_tokens": 4, "temperature": 0}
