@@ -10,10 +10,12 @@ A replay runs on the shapes and addresses it was recorded with, so a step
 is padded up to a batch bucket (a power of two, up to ``max_num_seqs``) and
 its attention to a context bucket (a power of two of KV blocks, up to the
 longest context); its inputs are copied into buffers that the graphs were
-recorded on. Every (batch, context) bucket is recorded at start-up, as vLLM
-records its batch sizes: a bucket recorded mid-run stalls every stream for
-its recording (on an H100, that made TTFT at c=32 worse with graphs than
-without). The padding rows write their keys and values into a scratch
+recorded on. The buckets are recorded at start-up, as vLLM records its
+batch sizes: a bucket recorded mid-run stalls every stream for its
+recording (on an H100, that made TTFT at c=32 worse with graphs than
+without). Only the largest, whose padded attention would gather more than
+``STARTUP_TOKENS`` tokens of K/V (long contexts at large batches), are
+recorded the first time a step needs one instead. The padding rows write their keys and values into a scratch
 block that no sequence owns and attend to it alone; every op is row-wise
 or per sequence, so they never reach a real row.
 """
@@ -35,6 +37,12 @@ logger = logging.getLogger(__name__)
 
 def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+# Buckets whose steps gather at most this many tokens of K/V (batch x context) are recorded at start-up. SmolLM2's
+# all are (64 sequences x 8192 tokens); a 128k-context model's largest would each hold gigabytes for a step
+# that may never come.
+STARTUP_TOKENS = 1 << 20
 
 
 def _buckets(limit: int) -> list[int]:
@@ -75,19 +83,22 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if record else None
 
     def record_all(self) -> None:
-        """Record every bucket now, the largest first (later ones reuse its memory in the shared pool)."""
+        """Record every bucket of up to ``STARTUP_TOKENS`` now, the largest first (later ones reuse its memory in
+        the shared pool)."""
         start = time.perf_counter()
         sizes, blocks = _buckets(self.max_batch), _buckets(self.max_blocks)
         for size in reversed(sizes):
             for width in reversed(blocks):
-                if (size, width) not in self.steps:
+                if (size, width) not in self.steps and size * width * self.block_size <= STARTUP_TOKENS:
                     self.steps[size, width] = self._recorded(size, width)
         if self.record:
             logger.info(
-                "recorded %d CUDA graphs for decoding (batch sizes %s, KV blocks %s) in %.1f s",
+                "recorded %d CUDA graphs for decoding (batch sizes %s, KV blocks %s; %d larger when first needed) "
+                "in %.1f s",
                 len(self.steps),
                 sizes,
                 blocks,
+                len(sizes) * len(blocks) - len(self.steps),
                 time.perf_counter() - start,
             )
 
@@ -116,7 +127,11 @@ class DecodeGraphs:
         # scratch block and reads one token (its stale table only names blocks it reads, never writes).
         self.slots[n:size].fill_(self.scratch_slot)
         self.lens[n:size].fill_(1)
-        return self.steps[key]()[:n]
+        step = self.steps.get(key)
+        if step is None:  # larger than start-up's: every stream waits while it is recorded
+            step = self.steps[key] = self._recorded(*key)
+            logger.info("recorded a CUDA graph for decoding %d sequences over %d KV blocks", *key)
+        return step()[:n]
 
     def _recorded(self, size: int, blocks: int) -> Callable[[], torch.Tensor]:
         meta = AttentionMetadata(

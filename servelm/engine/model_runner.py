@@ -220,7 +220,14 @@ class ModelRunner:
 
     def _replayed(self, batch: FlatBatch) -> torch.Tensor | None:
         """A plain decoding step's hidden states from a CUDA graph, or None: no graphs, or none fits it."""
-        return self.graphs.run(batch) if self.graphs is not None else None
+        if self.graphs is None:
+            return None
+        try:
+            return self.graphs.run(batch)
+        except RuntimeError:  # recording one of the largest buckets failed (out of memory, say)
+            logger.exception("recording a CUDA graph failed; decoding without CUDA graphs from now on")
+            self.graphs = None
+            return None
 
     def _sample(
         self, logits: torch.Tensor, plain: list[ScheduledSeq], sampling: dict[int, SamplingState], result: StepResult

@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 
 from servelm import LLM, SamplingParams, kernels
+from servelm.engine import cuda_graphs
 from servelm.engine.cuda_graphs import DecodeGraphs
 from servelm.engine.device import resolve_device
 from servelm.engine.kv_cache import allocate_kv_caches
@@ -107,19 +108,39 @@ def test_buckets_are_powers_of_two_up_to_the_limits():
     assert graphs.bucket(9, 1) is None
 
 
-def test_a_graph_that_cannot_be_recorded_leaves_the_engine_decoding_eagerly(monkeypatch, caplog):
+def test_buckets_past_the_start_up_limit_are_recorded_when_first_needed(monkeypatch):
+    eager = _engine(False)
+    block = eager.engine.runner.block_size
+    monkeypatch.setattr(cuda_graphs, "STARTUP_TOKENS", 4 * block)  # batch x KV blocks of at most 4
+    graphed = _engine(True)
+    graphs = graphed.engine.runner.graphs
+    at_start = set(graphs.steps)
+    assert at_start == {(size, blocks) for size in (1, 2, 4) for blocks in (1, 2, 4) if size * blocks <= 4}
+    prompts, params = _workload(eager)
+    assert _tokens(graphed.generate(prompts, params)) == _tokens(eager.generate(prompts, params))
+    assert any(size * blocks > 4 for size, blocks in set(graphs.steps) - at_start)
+
+
+@pytest.mark.parametrize("when", ["at start-up", "mid-run"])
+def test_a_graph_that_cannot_be_recorded_leaves_the_engine_decoding_eagerly(monkeypatch, caplog, when):
     eager = _engine(False)
 
     def refuse(self, size, blocks):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(DecodeGraphs, "_recorded", refuse)
+    if when == "at start-up":
+        monkeypatch.setattr(DecodeGraphs, "_recorded", refuse)
+    else:  # one of the largest buckets, recorded when first needed
+        monkeypatch.setattr(cuda_graphs, "STARTUP_TOKENS", eager.engine.runner.block_size)
     with caplog.at_level(logging.ERROR, logger="servelm.engine.model_runner"):
         graphed = _engine(True)
+        if when == "mid-run":
+            assert graphed.engine.runner.graphs is not None
+            monkeypatch.setattr(DecodeGraphs, "_recorded", refuse)
+        prompts, params = _workload(eager)
+        assert _tokens(graphed.generate(prompts, params)) == _tokens(eager.generate(prompts, params))
     assert graphed.engine.runner.graphs is None
     assert "decoding without CUDA graphs" in caplog.text
-    prompts, params = _workload(eager)
-    assert _tokens(graphed.generate(prompts, params)) == _tokens(eager.generate(prompts, params))
 
 
 def _powers_up_to(limit: int) -> set[int]:
