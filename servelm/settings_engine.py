@@ -83,8 +83,8 @@ class EngineSettings(BaseModel):
 
     cuda_graphs: bool = setting(
         True,
-        "on CUDA, record decoding steps as CUDA graphs (one per batch and context size, all at start-up) and "
-        "replay them: one launch a step instead of one per kernel; --no-cuda-graphs runs every step "
+        "on CUDA, record decoding steps as CUDA graphs (one per batch and context size, at start-up; the largest, "
+        "long contexts at large batches, when first needed) and replay them: one launch a step instead of one per kernel; --no-cuda-graphs runs every step "
         "eagerly, like vLLM's --enforce-eager",
         group="engine",
         flag="--cuda-graphs",
