@@ -15,9 +15,10 @@ batch sizes: a bucket recorded mid-run stalls every stream for its
 recording (on an H100, that made TTFT at c=32 worse with graphs than
 without). Only the largest, whose padded attention would gather more than
 ``STARTUP_TOKENS`` tokens of K/V (long contexts at large batches), are
-recorded the first time a step needs one instead. The padding rows write their keys and values into a scratch
-block that no sequence owns and attend to it alone; every op is row-wise
-or per sequence, so they never reach a real row.
+recorded the first time a step needs one instead. The padding rows write
+their keys and values into a scratch block that no sequence owns and
+attend to it alone; every op is row-wise or per sequence, so they never
+reach a real row.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-# Buckets whose steps gather at most this many tokens of K/V (batch x context) are recorded at start-up. SmolLM2's
-# all are (64 sequences x 8192 tokens); a 128k-context model's largest would each hold gigabytes for a step
-# that may never come.
+# Buckets whose steps gather at most this many tokens of K/V (batch x context) are recorded at start-up: all of
+# SmolLM2's (64 sequences x 8192 tokens at most), while a 128k-context model's largest would each hold gigabytes
+# for a step that may never come.
 STARTUP_TOKENS = 1 << 20
 
 
