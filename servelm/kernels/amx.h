@@ -15,4 +15,11 @@ int amx_granted(void);
 /* This thread's tiles, all 16 rows of 64 bytes (both kernels' shape: a tile of sums is 16 x 16 32-bit
  * values, a tile of operands 16 rows of 64 int8 or 32 bfloat16). */
 void amx_configure(void);
+
+/* Ask for the operand tile (1 KiB in a row) that a weight stream reaches two steps after the one at tile: where
+ * the weights come from memory, 1.15-1.31x the bytes per second of both kernels at decoding's rows
+ * (docs/BENCHMARKS.md, "Figures behind the code's choices"). */
+static inline void amx_prefetch_ahead(const void *tile) {
+    for (int line = 0; line < 1024; line += 64) _mm_prefetch((const char *)tile + 2048 + line, _MM_HINT_T0);
+}
 #endif

@@ -265,8 +265,6 @@ int bf16_pairs_amx_supported(int64_t K) {
 #endif
 }
 
-#define PAIRS_AMX_AHEAD 2048 /* bytes of each weight stream prefetched ahead: two k steps of 16 x 32 pairs */
-
 void bf16_gemm_pairs_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pairs, const uint16_t *bias,
                          int64_t N, uint16_t *out, int nthreads) {
 #ifdef KERNELS_AMX
@@ -288,12 +286,8 @@ void bf16_gemm_pairs_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t k = 0; k < K; k += 32) {
-                // The weights stream from memory once per call: ask for them two steps ahead (1.15-1.27x
-                // at 8-64 rows over the Qwen2.5-0.5B shape's layers: docs/BENCHMARKS.md, "Figures behind ...").
-                for (int line = 0; line < 1024; line += 64) {
-                    _mm_prefetch((const char *)(w0 + 16 * k) + PAIRS_AMX_AHEAD + line, _MM_HINT_T0);
-                    _mm_prefetch((const char *)(w1 + 16 * k) + PAIRS_AMX_AHEAD + line, _MM_HINT_T0);
-                }
+                amx_prefetch_ahead(w0 + 16 * k); /* the weights stream from memory once per call */
+                amx_prefetch_ahead(w1 + 16 * k);
                 _tile_loadd(4, xm + k, row_bytes);
                 _tile_loadd(6, w0 + 16 * k, 64);
                 _tile_loadd(7, w1 + 16 * k, 64);

@@ -226,8 +226,6 @@ static void scale_out(int32_t (*sums)[64], int rows, int64_t cols, const float *
 #define AMX_BLOCK_ROWS 256
 #define AMX_BLOCK_PAIRS 8
 
-#define AMX_AHEAD 2048 /* bytes of each weight stream prefetched ahead on its first pass: two steps of K */
-
 /* The int32 sums of 16 or 32 rows (lower: rows 16-31 too) of q (signed bytes, Kp a multiple of 64, in tiles: each
  * 16 rows x 64 of K 1 KiB in a row) x the blocks of 16 outputs at w0 and w1 (w1 NULL: w0's alone), into
  * sums[r][j]. A block's 16 groups of 4 of K in a step of 64 are 1 KiB in a row too. stream: the first rows
@@ -239,11 +237,9 @@ static void amx_tile(const int8_t *q, int64_t Kp, int lower, const int8_t *w0, c
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t k = 0; k < Kp; k += 64) {
-        if (stream) { /* the weights' first pass, from memory: ask for them two steps ahead (docs/BENCHMARKS.md) */
-            for (int line = 0; line < 1024; line += 64) {
-                _mm_prefetch((const char *)(w0 + 16 * k) + AMX_AHEAD + line, _MM_HINT_T0);
-                if (w1) _mm_prefetch((const char *)(w1 + 16 * k) + AMX_AHEAD + line, _MM_HINT_T0);
-            }
+        if (stream) { /* the weights' first pass, from memory */
+            amx_prefetch_ahead(w0 + 16 * k);
+            if (w1) amx_prefetch_ahead(w1 + 16 * k);
         }
         _tile_loadd(4, q + 16 * k, 64);
         _tile_loadd(6, w0 + 16 * k, 64);
