@@ -1,6 +1,7 @@
 /* Fused elementwise ops of the decoder, for CPUs: each replaces a chain of
  * small PyTorch ops (8 for a norm, 20 for RoPE on q and k) whose per-op
- * overhead dominates at small batch. Every rounding matches the PyTorch
+ * overhead dominates at small batch; and the sampler's one pass over the
+ * logits (log_softmax_stats). Every rounding matches the PyTorch
  * code it replaces (servelm/models/llama.py): float32 arithmetic, results
  * rounded to the tensor's dtype where PyTorch's intermediate would be (exp's
  * last bit, theirs or PyTorch's, can still tip a bfloat16 rounding now and
@@ -143,6 +144,78 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 #else
 DEFINE_SILU_MUL(bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16_round)
 #endif
+
+/* Bits tell NaN and infinity apart: -ffast-math lets the compiler assume neither exists. */
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+static inline int f32_is_nan(float f) { return (f32_bits(f) & 0x7fffffffu) > 0x7f800000u; }
+static inline int f32_is_finite(float f) { return (f32_bits(f) & 0x7f800000u) != 0x7f800000u; }
+
+/* One row of log_softmax_stats: its largest value (the first NaN if it has one, as torch.max) at *at, and
+ * log(sum of exp(x - largest)), NaN where the largest is not finite, as log_softmax's row then is. */
+static float row_stats(const float *x, int64_t V, float *largest, int64_t *at) {
+    int64_t i = 0;
+    float m = -INFINITY;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
+    for (; i + 16 <= V; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        if (_mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), inf_bits)) break; /* NaN */
+        vm = _mm512_max_ps(vm, v);
+    }
+    m = _mm512_reduce_max_ps(vm);
+#endif
+    for (; i < V; i++) {
+        if (f32_is_nan(x[i])) {
+            *largest = x[i];
+            *at = i;
+            return x[i];
+        }
+        m = x[i] > m ? x[i] : m;
+    }
+    *largest = m;
+    *at = -1;
+    float sum = 0.f;
+    int64_t searched = 0; /* x[0..searched) holds no m unless *at says where */
+    i = 0;
+    if (f32_is_finite(m)) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        __m512 vs = _mm512_setzero_ps();
+        const __m512 vmax = _mm512_set1_ps(m), floor = _mm512_set1_ps(-200.f); /* exp16(-inf) is NaN; e^-200, 0 */
+        for (; i + 16 <= V; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            if (*at < 0) {
+                const __mmask16 hit = _mm512_cmp_ps_mask(v, vmax, _CMP_EQ_OQ);
+                if (hit) *at = i + __builtin_ctz(hit);
+            }
+            vs = _mm512_add_ps(vs, exp16(_mm512_max_ps(_mm512_sub_ps(v, vmax), floor)));
+        }
+        sum = _mm512_reduce_add_ps(vs);
+        searched = i;
+#endif
+        for (; i < V; i++) sum += expf(x[i] - m);
+    }
+    if (*at < 0) /* not met above: in the tail, or an infinite largest */
+        for (i = searched; i < V; i++)
+            if (x[i] == m) {
+                *at = i;
+                break;
+            }
+    if (*at < 0) *at = 0; /* cannot happen: m is one of x's values */
+    if (!f32_is_finite(m)) return NAN;
+    return logf(sum);
+}
+
+void log_softmax_stats_f32(const float *x, int64_t rows, int64_t V, int64_t stride, float *largest, int64_t *at,
+                           float *logsum, int nthreads) {
+    const int64_t width = V;
+    PARALLEL
+    for (int64_t r = 0; r < rows; r++) logsum[r] = row_stats(x + r * stride, V, largest + r, at + r);
+}
 
 /* This step's K and V rows into their cache slots: row t of key (value), at
  * key + t * stride bytes, row_bytes long, goes to slot slots[t] of k_cache

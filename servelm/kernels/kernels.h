@@ -32,6 +32,11 @@ void rope_f32(float *x, int64_t rows, int64_t stride, int64_t heads, int64_t D, 
               const int64_t *positions, int nthreads);
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inner, int nthreads);
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inner, int nthreads);
+/* Per row r of x [rows, V] (row r at x + r * stride), what the sampler needs of its log_softmax without writing
+ * it: log_softmax(x) = x - largest[r] - logsum[r]. largest and at are torch.max's value and first index (a NaN
+ * counts as largest); logsum is NaN where largest is not finite, as the log_softmax row is then. */
+void log_softmax_stats_f32(const float *x, int64_t rows, int64_t V, int64_t stride, float *largest, int64_t *at,
+                           float *logsum, int nthreads);
 void write_kv(char *k_cache, char *v_cache, const char *key, const char *value, int64_t stride, const int64_t *slots,
               int64_t rows, int64_t row_bytes);
 

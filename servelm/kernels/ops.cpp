@@ -200,6 +200,19 @@ at::Tensor silu_mul(const at::Tensor &gate_up) {
     return out;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> log_softmax_stats(const at::Tensor &x) {
+    const char *op = "log_softmax_stats";
+    check_cpu(op, {&x});
+    CHECK_ARG(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, op,
+              ": x must be float32 [rows, vocab > 0] with contiguous rows");
+    const int64_t rows = x.size(0);
+    at::Tensor largest = at::empty({rows}, x.options()), logsum = at::empty({rows}, x.options());
+    at::Tensor at = at::empty({rows}, x.options().dtype(at::kLong));
+    log_softmax_stats_f32(x.data_ptr<float>(), rows, x.size(1), x.stride(0), largest.data_ptr<float>(),
+                          at.data_ptr<int64_t>(), logsum.data_ptr<float>(), at::get_num_threads());
+    return {largest, at, logsum};
+}
+
 at::Tensor int8_linear(const at::Tensor &x_arg, const at::Tensor &qweight, const at::Tensor &scales_arg) {
     const char *op = "int8_linear";
     check_cpu(op, {&x_arg, &qweight, &scales_arg});
@@ -343,6 +356,7 @@ TORCH_LIBRARY_FRAGMENT(servelm, m) {
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None) -> Tensor");
     m.def("rope_(Tensor(a!) x, int heads, int head_dim, Tensor cos_sin, Tensor positions) -> ()");
     m.def("silu_mul(Tensor gate_up) -> Tensor");
+    m.def("log_softmax_stats(Tensor x) -> (Tensor, Tensor, Tensor)");
     m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
     m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("pack_pairs(Tensor weight) -> Tensor?");
@@ -360,6 +374,7 @@ TORCH_LIBRARY_IMPL(servelm, CPU, m) {
     m.impl("rms_norm", &servelm::rms_norm);
     m.impl("rope_", &servelm::rope_);
     m.impl("silu_mul", &servelm::silu_mul);
+    m.impl("log_softmax_stats", &servelm::log_softmax_stats);
     m.impl("int8_linear", &servelm::int8_linear);
     m.impl("gemv", &servelm::gemv);
     m.impl("pack_pairs", &servelm::pack_pairs);

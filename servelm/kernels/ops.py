@@ -67,6 +67,7 @@ class CpuKernels:
         self._rms_norm = ops.rms_norm.default
         self._rope = ops.rope_.default
         self._silu_mul = ops.silu_mul.default
+        self._log_softmax_stats = ops.log_softmax_stats.default
         self._int8_linear = ops.int8_linear.default
         self._gemv = ops.gemv.default
         self._pack_pairs = ops.pack_pairs.default
@@ -143,6 +144,13 @@ class CpuKernels:
         """``silu(gate) * up`` of ``gate_up`` ``[..., 2 * inner]`` (contiguous), as ``layers.activation`` computes
         it."""
         return self._silu_mul(gate_up)
+
+    def log_softmax_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(largest, index, logsum)`` per row of float32 ``x`` ``[rows, vocab]`` (rows contiguous) in one
+        pass, without writing a ``[rows, vocab]`` result: ``log_softmax(x) = x - largest - logsum``.
+        ``largest`` and ``index`` are ``x.max(dim=-1)``'s (a NaN counts as largest); ``logsum`` is
+        ``log(sum(exp(x - largest)))``, NaN where ``largest`` is not finite, as the log-softmax row then is."""
+        return self._log_softmax_stats(x)
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """``x W^T`` for one bfloat16 row ``x`` ``[1, K]``, ``W`` = int8 ``qweight`` ``[N, K]`` times bfloat16

@@ -56,6 +56,11 @@ def self_check(kernels: CpuKernels) -> None:
             torch.zeros(2, 6, 16).index_copy_(1, torch.tensor([5, 0, 2]), x[:, :32].view(3, 2, 16).transpose(0, 1)),
         ),
     }
+    logits = torch.cat([x, x * 30])  # 6 rows of 40: two vectors' worth each, with a tail
+    checks["log_softmax_stats"] = (
+        lambda dt: _log_softmax_of(kernels, logits),
+        torch.log_softmax(logits, dim=-1),
+    )
     qweight = torch.randint(-127, 128, (12, 40), generator=gen, dtype=torch.int8)
     scales = torch.rand(12, generator=gen).to(torch.bfloat16)
     row = x[:1].to(torch.bfloat16)
@@ -93,6 +98,8 @@ def self_check(kernels: CpuKernels) -> None:
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
             if name in ("int8_linear", "gemv", "gemm_pairs", "gemm_pairs_amx"):
                 tol = 1e-2  # bfloat16 in and out whatever the model's dtype
+            if name == "log_softmax_stats":
+                tol = 1e-5  # float32 logits whatever the model's dtype
             got = run(dtype).double()
             if got.shape != expected.shape:
                 raise RuntimeError(f"{name} in {dtype} differs from PyTorch's in shape: {tuple(got.shape)}")
@@ -115,6 +122,13 @@ def _check_prefill(kernels: CpuKernels, gen: torch.Generator) -> None:
     if not torch.allclose(out.double(), expected, atol=3e-2, rtol=3e-2):
         error = (out.double() - expected).abs().max()
         raise RuntimeError(f"prefill_attention in torch.bfloat16 differs from PyTorch's by {error:.3g}")
+
+
+def _log_softmax_of(kernels: CpuKernels, logits: torch.Tensor) -> torch.Tensor:
+    largest, index, logsum = kernels.log_softmax_stats(logits)
+    if not torch.equal(index, logits.argmax(dim=-1)):
+        raise RuntimeError("log_softmax_stats in torch.float32 differs from PyTorch's argmax")
+    return logits - largest[:, None] - logsum[:, None]
 
 
 def _written(kernels: CpuKernels, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -364,6 +364,46 @@ def test_logprobs_are_raw_log_softmax(device):
     assert values == pytest.approx(ref_vals.tolist(), abs=1e-5)
 
 
+def test_the_native_pass_over_the_logits_gives_what_pytorch_gives(monkeypatch):
+    # The CPU kernel's one pass (largest, index, logsum) against the PyTorch fallback, on a real vocabulary
+    # width, with a row whose logits are all NaN and one banned but for its grammar's token.
+    from servelm import kernels
+
+    logits = torch.randn(5, 49152).mul(4)
+    logits[3] = float("nan")
+    mask = torch.zeros(49152, dtype=torch.bool)
+    mask[7] = True
+
+    def sample():
+        states = [
+            state(SamplingParams(temperature=0.0)),
+            state(SamplingParams(temperature=0.0, logprobs=5)),
+            state(SamplingParams(temperature=0.8, top_p=0.9, logprobs=2), seed=3),
+            state(SamplingParams(temperature=0.0, logprobs=1)),
+            state(SamplingParams(temperature=0.0, logit_bias={7: -100.0}), mask=mask),
+        ]
+        return Sampler()(logits.clone(), states)
+
+    assert kernels.for_tensors(logits) is not None  # the first run is the kernel's
+    native = sample()
+    monkeypatch.setattr(kernels, "for_tensors", lambda *tensors: None)
+    fallback = sample()
+    assert native.token_ids == fallback.token_ids
+    assert native.token_ids[4] == 7  # the grammar's only token, however biased
+    assert math.isnan(native.logprobs[3]) and math.isnan(fallback.logprobs[3])
+    # float32 sums of 49152 terms in another order: a few ulps of the logsum apart
+    assert native.logprobs[:3] + native.logprobs[4:] == pytest.approx(
+        fallback.logprobs[:3] + fallback.logprobs[4:], abs=1e-5
+    )
+    for mine, theirs in zip(native.top_logprobs, fallback.top_logprobs):
+        assert (mine is None) == (theirs is None)
+        if mine is not None and not any(math.isnan(v) for _, v in mine):
+            assert [t for t, _ in mine] == [t for t, _ in theirs]
+            assert [v for _, v in mine] == pytest.approx([v for _, v in theirs], abs=1e-5)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert native.logprobs[1] == pytest.approx(raw[1].max().item(), abs=1e-5)  # greedy: the top raw logprob
+
+
 def test_top_logprobs_none_when_nobody_asks_and_k_clamped_to_vocab():
     logits = torch.randn(2, 6)
     assert Sampler()(logits, [state(), state()]).top_logprobs is None

@@ -19,6 +19,7 @@ OPS = [
     "rms_norm",
     "rope_",
     "silu_mul",
+    "log_softmax_stats",
     "int8_linear",
     "gemv",
     "pack_pairs",
@@ -67,6 +68,9 @@ def test_rejects_inputs_it_cannot_read(native):
         native.rope_(x, 2, 8, torch.zeros(10, 8), torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="even"):
         native.silu_mul(torch.zeros(2, 7))
+    for logits in (torch.zeros(2, 0), torch.zeros(2, 8).t(), torch.zeros(2, 8).bfloat16(), torch.zeros(8)):
+        with pytest.raises(ValueError, match="float32"):
+            native.log_softmax_stats(logits)
     pairs = torch.zeros(32 * 16, dtype=torch.bfloat16)  # a [32, 16] weight in the pair layout
     with pytest.raises(ValueError, match="agreeing shapes"):
         native.gemm_pairs(torch.zeros(2, 8, dtype=torch.bfloat16), pairs, 32)

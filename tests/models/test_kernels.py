@@ -84,7 +84,8 @@ def test_failed_build_means_the_pytorch_path(fresh, monkeypatch, tmp_path, caplo
 
 
 @pytest.mark.parametrize(
-    "broken", ["decode_attention", "rms_norm", "silu_mul", "write_kv", "int8_linear", "gemv", "gemm_pairs"]
+    "broken",
+    ["decode_attention", "rms_norm", "silu_mul", "log_softmax_stats", "write_kv", "int8_linear", "gemv", "gemm_pairs"],
 )
 def test_self_check_rejects_wrong_results(native, broken):
     self_check(native)  # the real build passes
@@ -94,7 +95,12 @@ def test_self_check_rejects_wrong_results(native, broken):
     class Miscompiled(kernels.CpuKernels):
         pass
 
-    setattr(Miscompiled, broken, lambda self, x, *args: torch.zeros_like(x))
+    def zeros(self, x, *args):
+        if broken == "log_softmax_stats":  # each row's largest value, its index and its logsum
+            return x.new_zeros(len(x)), x.new_zeros(len(x), dtype=torch.long), x.new_zeros(len(x))
+        return torch.zeros_like(x)
+
+    setattr(Miscompiled, broken, zeros)
     with pytest.raises(RuntimeError, match=f"{broken} in torch.float32 differs"):
         self_check(Miscompiled())
 
@@ -243,3 +249,30 @@ def test_write_kv_stores_strided_rows_at_their_slots(native, dtype):
         native.write_kv(cache, key.double(), value.double(), slots)
     with pytest.raises(ValueError, match="heads must be contiguous"):
         native.write_kv(cache, key.transpose(0, 1).contiguous().transpose(0, 1), value, slots)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 40, 49152, 151936])
+def test_log_softmax_stats_is_log_softmax_without_writing_it(native, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(6, vocab + 9, generator=gen).mul(5)
+    x = wide[:, :vocab]  # rows vocab + 9 apart: the kernel reads any row stride
+    x[1, vocab // 2] = float("nan")  # a NaN row: NaN, at the first NaN, as torch.max and log_softmax say
+    x[1, vocab - 1] = float("nan")
+    x[2, vocab // 3] = float("inf")
+    x[3] = float("-inf")
+    x[4, -1] = x[4].max() + 1  # the largest in the scalar tail
+    x[5, : vocab // 2] = float("-inf")  # -inf among finite values: exp(-inf) is 0, not NaN
+    largest, index, logsum = native.log_softmax_stats(x)
+    expected_max, expected_index = x.max(dim=-1)
+    assert torch.equal(index, expected_index)
+    torch.testing.assert_close(largest, expected_max, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(x - largest[:, None] - logsum[:, None], torch.log_softmax(x, dim=-1), equal_nan=True)
+    assert logsum[1:4].isnan().all() and not logsum[[0, 4, 5]].isnan().any()
+
+
+def test_log_softmax_stats_finds_the_first_of_tied_maxima(native):
+    x = torch.zeros(3, 100)
+    x[0, [17, 50, 99]] = 2.0
+    x[1, [96, 97]] = 3.0  # in the tail past the last full vector of 16
+    x[2, [0, 5]] = float("inf")
+    assert native.log_softmax_stats(x)[1].tolist() == [17, 96, 0]

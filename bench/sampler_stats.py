@@ -1,0 +1,80 @@
+"""The sampler's pass over the logits: ``log_softmax`` against the native ``log_softmax_stats``, in one run.
+
+Each sampled token's raw logprob (and the top logprobs a request asks for)
+comes from the log-softmax of its row. The sampler used to write that whole
+``[rows, vocab]`` tensor (``torch.log_softmax``) and then search the row's
+largest value for a greedy token (``row_blocks.row_max``); the native
+kernel makes one pass per row that gives the largest value, its index and
+the logsum, from which any logprob is ``x - largest - logsum``. This times,
+on random logits of the default models' vocabulary sizes (SmolLM2's 49152,
+Qwen2.5's 151936) for 1 and 32 rows: the two ways, then the whole greedy
+``Sampler`` call with the kernel and with the PyTorch fallback (the kernels
+turned off). Medians of --repeats calls, alternating.
+
+    .venv/bin/python bench/sampler_stats.py
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+from unittest import mock
+
+import torch
+from gemm import _median_ms
+
+from servelm import kernels
+from servelm.engine.row_blocks import row_max
+from servelm.engine.sampler import Sampler, SamplingState
+from servelm.engine.sampling_params import SamplingParams
+
+
+def by_log_softmax(logits: torch.Tensor) -> None:
+    torch.log_softmax(logits, dim=-1)
+    row_max(logits)
+
+
+def greedy_call(logits: torch.Tensor, states: list[SamplingState], native: bool) -> None:
+    if native:
+        Sampler()(logits, states)
+        return
+    with mock.patch.object(kernels, "for_tensors", lambda *tensors: None):
+        Sampler()(logits, states)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    native = kernels.cpu_kernels()
+    if native is None:
+        raise SystemExit("servelm's CPU kernels are not available here")
+    print(f"threads={torch.get_num_threads()}, milliseconds per call (median of {args.repeats})")
+    print(
+        f"{'vocab':>7s}{'rows':>6s}{'log_softmax+max':>17s}{'stats':>8s}{'ratio':>8s}"
+        f"{'sampler, torch':>16s}{'sampler, native':>17s}{'ratio':>8s}"
+    )
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (49152, 151936):
+        for rows in (1, 32):
+            logits = torch.randn(rows, vocab, generator=gen) * 4
+            states = [SamplingState(SamplingParams(temperature=0.0), [1, 2], 2, None, set()) for _ in range(rows)]
+            pairs = []
+            for _ in range(3):  # alternating rounds, the machine's load shared
+                pairs.append(
+                    (
+                        _median_ms(partial(by_log_softmax, logits), args.repeats),
+                        _median_ms(partial(native.log_softmax_stats, logits), args.repeats),
+                        _median_ms(partial(greedy_call, logits, states, False), args.repeats),
+                        _median_ms(partial(greedy_call, logits, states, True), args.repeats),
+                    )
+                )
+            old, new, sampler_old, sampler_new = (sorted(col)[1] for col in zip(*pairs))
+            print(
+                f"{vocab:7d}{rows:6d}{old:17.2f}{new:8.2f}{old / new:7.2f}x"
+                f"{sampler_old:16.2f}{sampler_new:17.2f}{sampler_old / sampler_new:7.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
