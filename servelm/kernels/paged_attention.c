@@ -142,28 +142,27 @@ static inline __attribute__((always_inline)) void scores_rows(const uint16_t *q,
             scores[r * len + t0] = scale * _mm512_reduce_add_ps(dot_bf16(q + r * D, keys[t0] + (r / G) * D, D));
 }
 
-/* The item's scores: its query heads (contiguous at q) against its KV heads from h0. */
+/* The item's scores: its query heads (contiguous at q) against its KV heads from h0. keys: room for len
+ * pointers. */
 static int scores_bf16(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
                        int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
-                       float *scores) {
+                       float *scores, const uint16_t **keys) {
     if (D % 32) return 0;
-    const uint16_t **keys = malloc(sizeof(*keys) * (size_t)len);
     row_pointers(k_cache + h0 * D, table, len, block_size, KVH * D, keys);
     prefetch_rows(keys, len, rows / G * D * (int64_t)sizeof(uint16_t)); /* all of the item's heads, first */
     if (D == 64)
         scores_rows(q, rows, G, 64, keys, len, scale, scores);
     else
         scores_rows(q, rows, G, D, keys, len, scale, scores);
-    free(keys);
     return 1;
 }
 
 /* out[r] = sum over t of p[r * len + t] * v_t, for the item's rows, rounded to
- * bfloat16; each V row is widened once for all the query heads that read it. */
+ * bfloat16; each V row is widened once for all the query heads that read it. v_rows: room for len pointers. */
 static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const uint16_t *v_cache, int64_t KVH,
-                       int64_t h0, const int64_t *table, int64_t block_size, int64_t len, uint16_t *out) {
+                       int64_t h0, const int64_t *table, int64_t block_size, int64_t len, uint16_t *out,
+                       const uint16_t **v_rows) {
     if (D % 64) return 0;
-    const uint16_t **v_rows = malloc(sizeof(*v_rows) * (size_t)len);
     for (int64_t h = 0; h < rows / G; h++)
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
             row_pointers(v_cache + (h0 + h) * D + d0, table, len, block_size, KVH * D, v_rows);
@@ -174,7 +173,6 @@ static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const
                 weighted_heads(pr, len, len, v_rows, G - r0 < 4 ? G - r0 : 4, o, D);
             }
         }
-    free(v_rows);
     return 1;
 }
 
@@ -202,38 +200,47 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
     const int64_t G = H / KVH;                                                                    \
     const int64_t split = B >= nthreads ? 1 : KVH; /* items per sequence */                      \
     const int64_t heads = KVH / split;             /* KV heads per item */                        \
+    const int64_t rows = heads * G;                /* an item's query heads */                    \
     const int64_t block_bytes = block_size * KVH * D * (int64_t)sizeof(T);                        \
-    _Pragma("omp parallel for schedule(dynamic) num_threads(nthreads)")                           \
+    int64_t longest = 1;                                                                          \
+    for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;              \
+    _Pragma("omp parallel num_threads(nthreads)") {                                               \
+    /* one workspace per thread, for its longest item: malloc per item cost more than short items \
+     * themselves */                                                                              \
+    float *qf = malloc(sizeof(float) * (size_t)(rows * D * 2 + rows * longest) +                  \
+                       sizeof(const T *) * (size_t)longest);                                      \
+    float *acc = qf + rows * D, *scores = acc + rows * D;                                         \
+    const T **row_at = (const T **)(scores + rows * longest);                                     \
+    _Pragma("omp for schedule(dynamic)")                                                          \
     for (int64_t item = 0; item < B * split; item++) {                                            \
-        const int64_t b = item / split, h0 = (item % split) * heads, rows = heads * G;            \
+        const int64_t b = item / split, h0 = (item % split) * heads;                              \
         const int64_t len = lens[b];                                                              \
         const int64_t *table = tables + b * max_blocks;                                           \
         /* rows = the item's query heads, h0 * G .. (h0 + heads) * G - 1 */                       \
-        float *qf = malloc(sizeof(float) * (size_t)(rows * D * 2 + rows * len));                  \
-        float *acc = qf + rows * D, *scores = acc + rows * D;                                     \
-        for (int64_t r = 0; r < rows; r++) {                                                      \
-            const T *qp = q + b * q_stride + (h0 * G + r) * D;                                    \
-            _Pragma("omp simd")                                                                   \
-            for (int64_t d = 0; d < D; d++) qf[r * D + d] = LOAD(qp[d]) * scale;                  \
-        }                                                                                         \
         if (!SCORES(q + b * q_stride + h0 * G * D, rows, G, D, k_cache, KVH, h0, table, block_size, len,\
-                    scale, scores))                                                                \
-        for (int64_t t = 0; t < len; t++) {                                                       \
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;             \
-            prefetch_next_block(table, t, len, block_size, (const char *)k_cache, block_bytes,     \
-                                h0 * D * (int64_t)sizeof(T), heads * D * (int64_t)sizeof(T));     \
-            const T *kp = k_cache + (slot * KVH + h0) * D;                                        \
+                    scale, scores, row_at)) {                                                      \
             for (int64_t r = 0; r < rows; r++) {                                                  \
-                const T *kr = kp + (r / G) * D;                                                   \
-                float s = 0.f;                                                                    \
-                _Pragma("omp simd reduction(+:s)")                                                \
-                for (int64_t d = 0; d < D; d++) s += qf[r * D + d] * LOAD(kr[d]);                 \
-                scores[r * len + t] = s;                                                          \
+                const T *qp = q + b * q_stride + (h0 * G + r) * D;                                \
+                _Pragma("omp simd")                                                               \
+                for (int64_t d = 0; d < D; d++) qf[r * D + d] = LOAD(qp[d]) * scale;              \
+            }                                                                                     \
+            for (int64_t t = 0; t < len; t++) {                                                   \
+                const int64_t slot = table[t / block_size] * block_size + t % block_size;         \
+                prefetch_next_block(table, t, len, block_size, (const char *)k_cache, block_bytes, \
+                                    h0 * D * (int64_t)sizeof(T), heads * D * (int64_t)sizeof(T)); \
+                const T *kp = k_cache + (slot * KVH + h0) * D;                                    \
+                for (int64_t r = 0; r < rows; r++) {                                              \
+                    const T *kr = kp + (r / G) * D;                                               \
+                    float s = 0.f;                                                                \
+                    _Pragma("omp simd reduction(+:s)")                                            \
+                    for (int64_t d = 0; d < D; d++) s += qf[r * D + d] * LOAD(kr[d]);             \
+                    scores[r * len + t] = s;                                                      \
+                }                                                                                 \
             }                                                                                     \
         }                                                                                         \
         for (int64_t r = 0; r < rows; r++) softmax_(scores + r * len, len);                      \
         if (!VALUES(scores, rows, G, D, v_cache, KVH, h0, table, block_size, len,                 \
-                    out + (b * H + h0 * G) * D)) {                                                \
+                    out + (b * H + h0 * G) * D, row_at)) {                                        \
             memset(acc, 0, sizeof(float) * (size_t)(rows * D));                                   \
             for (int64_t t = 0; t < len; t++) {                                                   \
                 const int64_t slot = table[t / block_size] * block_size + t % block_size;         \
@@ -254,7 +261,8 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
                 for (int64_t d = 0; d < D; d++) op[d] = STORE(acc[r * D + d]);                    \
             }                                                                                     \
         }                                                                                         \
-        free(qf);                                                                                 \
+    }                                                                                             \
+    free(qf);                                                                                     \
     }                                                                                             \
 }
 
