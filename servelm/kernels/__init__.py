@@ -10,8 +10,10 @@
   SDPA per sequence.
 - ``fused_ops.c``: the decoder's elementwise chains (residual add + RMSNorm,
   RoPE on q and k, SiLU * up), one call each instead of up to 20 small
-  PyTorch ops, whose per-op overhead dominates a small batch; and the copy of
-  a step's K/V rows into their cache slots.
+  PyTorch ops, whose per-op overhead dominates a small batch; the copy of
+  a step's K/V rows into their cache slots; and the sampler's one pass over
+  each row of logits (its largest value, where, and the log-softmax's
+  logsum) instead of a whole log-softmax written out.
 - ``gemv.c``: matrix-vector products for batch-1 decoding, bfloat16 and
   int8 weights, streaming each weight row once at close to memory speed, and
   a small GEMM for decoding a few dozen sequences over weights in its own
