@@ -21,6 +21,15 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                        const int64_t *ctx_lens, int64_t S, uint16_t *out, int64_t H, int64_t KVH, int64_t D,
                        int64_t block_size, float scale, int nthreads);
 
+/* attention_amx.c: one sequence's decode scores (the rows query heads at q, G per KV head from h0) on AMX
+ * tiles, into scores[r * len + t], scaled; 0 where it does not run (no AMX, block_size not a multiple of 16, D
+ * not a multiple of 32 or over 256, more than 16 query heads per KV head, or turned off).
+ * decode_scores_use_amx(want): with want 0 or 1, turns it off or on for the whole process (-1 leaves it);
+ * returns whether it runs now where the shapes allow. */
+int decode_scores_use_amx(int want);
+int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
+                      int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale, float *scores);
+
 /* fused_ops.c */
 void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t rows,
                        int64_t hidden, float eps, int nthreads);

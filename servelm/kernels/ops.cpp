@@ -346,6 +346,10 @@ at::Tensor w8a8_linear(const at::Tensor &x_arg, const at::Tensor &packed, const 
 
 bool w8a8_use_amx(std::optional<bool> enable) { return ::w8a8_use_amx(enable ? int(*enable) : -1) != 0; }
 
+bool attention_use_amx(std::optional<bool> enable) {
+    return ::decode_scores_use_amx(enable ? int(*enable) : -1) != 0;
+}
+
 }  // namespace servelm
 
 TORCH_LIBRARY_FRAGMENT(servelm, m) {
@@ -365,6 +369,7 @@ TORCH_LIBRARY_FRAGMENT(servelm, m) {
     m.def("w8a8_pack(Tensor qweight) -> Tensor?");
     m.def("w8a8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias=None) -> Tensor");
     m.def("w8a8_use_amx(bool? enable=None) -> bool", &servelm::w8a8_use_amx);  // no tensor: every backend
+    m.def("attention_use_amx(bool? enable=None) -> bool", &servelm::attention_use_amx);
 }
 
 TORCH_LIBRARY_IMPL(servelm, CPU, m) {

@@ -76,6 +76,7 @@ class CpuKernels:
         self._w8a8_pack = ops.w8a8_pack.default
         self._w8a8_linear = ops.w8a8_linear.default
         self._w8a8_use_amx = ops.w8a8_use_amx.default
+        self._attention_use_amx = ops.attention_use_amx.default
 
     @staticmethod
     def supports(*tensors: torch.Tensor) -> bool:
@@ -211,6 +212,13 @@ class CpuKernels:
         them), not AVX512-VNNI; ``enable`` turns that on or off for the whole process first. Both give the same int32
         sums, so the same output to the last bit: the switch is for comparing the two."""
         return self._w8a8_use_amx(enable)
+
+    def attention_use_amx(self, enable: bool | None = None) -> bool:
+        """Whether bfloat16 ``decode_attention`` takes its scores (q . k) on AMX tiles (CPUs that have them, where
+        Linux grants them; 16-token cache blocks or multiples) rather than AVX512-BF16; ``enable`` turns that on
+        or off for the whole process first. Both sum exact bfloat16 products in float32, in different orders:
+        the switch is for comparing the two."""
+        return self._attention_use_amx(enable)
 
     def one_token_decoder(
         self,

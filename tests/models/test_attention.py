@@ -207,3 +207,51 @@ def test_swapped_block_tables_change_the_result():
     case = make_case([(12, 2)], [12], 4, 2, seed=5)
     case.meta.block_tables = case.meta.block_tables.flip(0)
     assert not torch.allclose(case.run(), case.expected, atol=1e-3)
+
+
+# SmolLM2, Qwen2-0.5B's 7 per KV head, 128-dim heads, 32-dim ones, and 20 per KV head (past a tile's 16
+# columns: the AVX512-BF16 loop runs with the tiles on too)
+AMX_HEAD_SHAPES = [(9, 3, 64), (14, 2, 64), (32, 8, 128), (16, 1, 32), (40, 2, 64)]
+
+
+def scores_on_and_off(cpu_ops, native_kernels, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """``case`` in bfloat16 with decode attention's scores on AMX tiles, then on AVX512-BF16."""
+    if cpu_ops == "torch":
+        pytest.skip("the PyTorch path has neither")
+    if not native_kernels.attention_use_amx():
+        pytest.skip("this CPU has no AMX tiles (or Linux does not grant them): only the AVX512-BF16 loop runs")
+    try:
+        on = run_bf16(case)
+        native_kernels.attention_use_amx(False)
+        off = run_bf16(case)
+    finally:
+        native_kernels.attention_use_amx(True)
+    return on, off
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", AMX_HEAD_SHAPES)
+@pytest.mark.parametrize("contexts", [[1, 15, 16, 17, 250, 129], [200]], ids=["batch", "one"])
+def test_decode_scores_on_amx_tiles_match_the_avx512_ones(
+    cpu_ops, native_kernels, num_heads, num_kv_heads, head_dim, contexts
+):
+    """16-token blocks with stale NaN in the last blocks' unused slots, which a tile loads but must never use."""
+    case = make_case([], contexts, num_heads, num_kv_heads, head_dim=head_dim, block_size=16, seed=11)
+    flat = case.cache.view(2, -1, *case.cache.shape[-2:])
+    for i, ctx in enumerate(case.meta.context_lens):
+        table = case.meta.block_tables[i]
+        flat[:, [table[t // 16] * 16 + t % 16 for t in range(ctx, -(-ctx // 16) * 16)]] = float("nan")
+    on, off = scores_on_and_off(cpu_ops, native_kernels, case)
+    assert not on.isnan().any()
+    torch.testing.assert_close(on.float(), case.expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(on.float(), off.float(), atol=1e-2, rtol=1e-2)  # one bfloat16 rounding apart at most
+
+
+def test_decode_scores_do_run_on_amx_tiles(cpu_ops, native_kernels):
+    # The two sum the same products in different orders, which shows in a few outputs' last bit (3 of the
+    # 128-dim heads' 24576 here): were the switch to change nothing, every output would be the same.
+    differing = 0
+    for num_heads, num_kv_heads, head_dim in AMX_HEAD_SHAPES:
+        case = make_case([], [1, 15, 16, 17, 250, 129], num_heads, num_kv_heads, head_dim, block_size=16, seed=11)
+        on, off = scores_on_and_off(cpu_ops, native_kernels, case)
+        differing += int((on != off).sum())
+    assert differing > 0

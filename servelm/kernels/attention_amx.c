@@ -1,0 +1,82 @@
+/* Decode attention's scores on the AMX tile unit, for CPUs that have it (paged_attention.c's bfloat16 kernel
+ * asks here first, and runs its AVX512-BF16 loop where this does not apply).
+ *
+ * For one sequence and one KV head, its G query heads' scores against the keys: a tile of 16 keys x 32 dims
+ * (one 16-slot cache block's rows, KVH * D apart) times the query heads' same 32 dims in pairs (the tile unit's
+ * layout, built once per KV head) gives 16 keys x 16 query heads (G used) in float32, added over D / 32 such
+ * products: exact bfloat16 products summed in float32, as the AVX512-BF16 loop does, in another order. Each
+ * query head's 16 scores are then gathered out of the tile's columns into its row of scores. Built at first
+ * use by servelm/kernels. */
+#include <stdint.h>
+#include <string.h>
+
+#include "amx.h"
+#include "kernels.h"
+
+#ifdef KERNELS_AMX
+static int enabled = 1;
+#endif
+
+int decode_scores_use_amx(int want) {
+#ifdef KERNELS_AMX
+    if (want >= 0) enabled = want;
+    return enabled && amx_granted();
+#else
+    (void)want;
+    return 0;
+#endif
+}
+
+int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
+                      int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
+                      float *scores) {
+#ifdef KERNELS_AMX
+    if (!enabled || G > 16 || D % 32 || D > 256 || block_size % 16 || !amx_granted()) return 0;
+    /* q_pairs[c][p][r]: dims 32c + 2p, 32c + 2p + 1 of query head r (zero past G), as 32-bit words */
+    uint32_t q_pairs[8][16][16] __attribute__((aligned(64)));
+    float tile[16][16] __attribute__((aligned(64))); /* [key][query head] */
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    const int64_t chunks = D / 32, key_stride = 2 * KVH * D; /* bytes between a block's rows */
+    amx_configure();
+    for (int64_t hh = 0; hh < rows / G; hh++) {
+        memset(q_pairs, 0, (size_t)chunks * sizeof q_pairs[0]);
+        for (int64_t r = 0; r < G; r++)
+            for (int64_t c = 0; c < chunks; c++)
+                for (int p = 0; p < 16; p++) memcpy(&q_pairs[c][p][r], q + (hh * G + r) * D + 32 * c + 2 * p, 4);
+        const uint16_t *k_head = k_cache + (h0 + hh) * D;
+        for (int64_t t = 0; t < len && t < 32; t++) /* the first two blocks' rows; the loop asks for the rest */
+            for (int64_t b = 0; b < 2 * D; b += 64)
+                _mm_prefetch((const char *)(k_head + (table[t / block_size] * block_size + t % block_size) * KVH * D) + b,
+                             _MM_HINT_T0);
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+            const uint16_t *keys = k_head + (table[t0 / block_size] * block_size + t0 % block_size) * KVH * D;
+            if (t0 + 32 < len) { /* the rows two blocks on, scattered where the hardware prefetcher cannot follow */
+                const char *next = (const char *)(k_head + (table[(t0 + 32) / block_size] * block_size +
+                                                            (t0 + 32) % block_size) * KVH * D);
+                for (int i = 0; i < 16; i++)
+                    for (int64_t b = 0; b < 2 * D; b += 64) _mm_prefetch(next + i * key_stride + b, _MM_HINT_T0);
+            }
+            _tile_zero(0);
+            for (int64_t c = 0; c < chunks; c++) {
+                _tile_loadd(1, keys + 32 * c, key_stride);
+                _tile_loadd(2, q_pairs[c], 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, tile, 64);
+            /* Rows past len (the block's unused slots, stale) are in the tile, never stored. */
+            const __mmask16 valid = len - t0 >= 16 ? 0xffff : (__mmask16)((1u << (len - t0)) - 1);
+            for (int64_t r = 0; r < G; r++) {
+                const __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32((int)r)), tile, 4);
+                _mm512_mask_storeu_ps(scores + (hh * G + r) * len + t0, valid, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+            }
+        }
+    }
+    _tile_release();
+    return 1;
+#else
+    (void)q, (void)rows, (void)G, (void)D, (void)k_cache, (void)KVH, (void)h0, (void)table, (void)block_size,
+        (void)len, (void)scale, (void)scores;
+    return 0;
+#endif
+}
