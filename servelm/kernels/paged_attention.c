@@ -330,12 +330,20 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
         item_at[s + 1] = item_at[s] + (q_lens[s] + tokens - 1) / tokens * KVH;
     }
     uint32_t *kt = malloc(sizeof(uint32_t) * (size_t)kt_at[S]);
+    int64_t longest = 1; /* context */
+    for (int64_t s = 0; s < S; s++) longest = ctx_lens[s] > longest ? ctx_lens[s] : longest;
+    const int64_t most_rows = tokens * G, widest = (longest + 15) / 16 * 16;
     _Pragma("omp parallel num_threads(nthreads)") {
+        /* one workspace per thread, for the largest item: a malloc per item cost more than small items */
+        float *scores = malloc(sizeof(float) * (size_t)(most_rows * widest) +
+                               sizeof(void *) * (size_t)(most_rows + longest));
+        const uint32_t **qrows = (const uint32_t **)(scores + most_rows * widest);
+        const uint16_t **rows_at = (const uint16_t **)(qrows + most_rows); /* K rows, then V rows */
         _Pragma("omp for schedule(dynamic)")
         for (int64_t sh = 0; sh < S * KVH; sh++) {
             const int64_t s = sh / KVH, h = sh % KVH, ctx = ctx_lens[s], padded = (ctx + 15) / 16 * 16;
             uint32_t *dst = kt + kt_at[s] + h * padded * pairs;
-            const uint16_t **keys = malloc(sizeof(*keys) * (size_t)ctx);
+            const uint16_t **keys = rows_at;
             row_pointers(k_cache + h * D, tables + s * max_blocks, ctx, block_size, KVH * D, keys);
             for (int64_t t = 0; t < padded; t++) {
                 uint32_t *col = dst + (t / 16) * pairs * 16 + t % 16;
@@ -346,7 +354,6 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                     for (int64_t p = 0; p < pairs; p++) col[p * 16] = 0;
                 }
             }
-            free(keys);
         }
         _Pragma("omp for schedule(dynamic)")
         for (int64_t item = 0; item < item_at[S]; item++) {
@@ -358,9 +365,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
             const int64_t pos0 = ctx - q_lens[s] + first; /* the tile's first token's position */
             const int64_t keys = pos0 + n, stride = (keys + 15) / 16 * 16;
             const uint32_t *kts = kt + kt_at[s] + h * padded * pairs;
-            float *scores = malloc(sizeof(float) * (size_t)(rows * stride));
-            const uint32_t **qrows = malloc(sizeof(*qrows) * (size_t)rows);
-            const uint16_t **v_rows = malloc(sizeof(*v_rows) * (size_t)keys);
+            const uint16_t **v_rows = rows_at;
             for (int64_t r = 0; r < rows; r++) /* row r: token r / G, head h * G + r % G */
                 qrows[r] = (const uint32_t *)(q + (q_starts[s] + first + r / G) * q_stride + (h * G + r % G) * D);
             for (int64_t c = 0; c < stride / 16; c++)
@@ -376,10 +381,8 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                                        G - g0 < 4 ? G - g0 : 4,
                                        out + ((q_starts[s] + first + i) * H + h * G + g0) * D + d0, D);
             }
-            free(v_rows);
-            free(qrows);
-            free(scores);
         }
+        free(scores);
     }
     free(kt);
     free(kt_at);
