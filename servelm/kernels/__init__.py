@@ -14,9 +14,9 @@
   a step's K/V rows into their cache slots; and the sampler's one pass over
   each row of logits (its largest value, where, and the log-softmax's
   logsum) instead of a whole log-softmax written out.
-- ``attention_amx.c``: decode attention's scores (q . k) on AMX tiles where
-  the CPU has them, a 16-token cache block at a time; paged_attention.c's
-  bfloat16 kernel asks it first.
+- ``attention_amx.c``: attention's scores (q . k) on AMX tiles where the
+  CPU has them, for decoding (a 16-token cache block at a time) and prefill;
+  paged_attention.c's bfloat16 kernels ask it first.
 - ``gemv.c``: matrix-vector products for batch-1 decoding, bfloat16 and
   int8 weights, streaming each weight row once at close to memory speed, and
   a small GEMM for decoding a few dozen sequences over weights in its own

@@ -1,7 +1,10 @@
-/* Decode attention's scores on the AMX tile unit, for CPUs that have it (paged_attention.c's bfloat16 kernel
- * asks here first, and runs its AVX512-BF16 loop where this does not apply).
+/* Attention's scores on the AMX tile unit, for CPUs that have it (paged_attention.c's bfloat16 kernels ask
+ * here first, and run their AVX512-BF16 loops where this does not apply).
  *
- * For one sequence and one KV head, its G query heads' scores against the keys: a tile of 16 keys x 32 dims
+ * Prefill: an item's query rows (copied into 16-row tiles) times its keys, which the prefill kernel has
+ * already transposed into the tile unit's pair layout, 16 keys a tile; the sums go straight to the scores.
+ *
+ * Decode: for one sequence and one KV head, its G query heads' scores against the keys: a tile of 16 keys x 32 dims
  * (one 16-slot cache block's rows, KVH * D apart) times the query heads' same 32 dims in pairs (the tile unit's
  * layout, built once per KV head) gives 16 keys x 16 query heads (G used) in float32, added over D / 32 such
  * products: exact bfloat16 products summed in float32, as the AVX512-BF16 loop does, in another order. Each
@@ -77,6 +80,36 @@ int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, con
 #else
     (void)q, (void)rows, (void)G, (void)D, (void)k_cache, (void)KVH, (void)h0, (void)table, (void)block_size,
         (void)len, (void)scale, (void)scores;
+    return 0;
+#endif
+}
+
+int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, const uint32_t *kts, int64_t chunks,
+                       float scale, float *scores, int64_t stride, uint16_t *qbuf) {
+#ifdef KERNELS_AMX
+    if (!enabled || D % 32 || !amx_granted()) return 0;
+    const int64_t padded = (rows + 15) / 16 * 16, pairs = D / 2;
+    for (int64_t r = 0; r < rows; r++) memcpy(qbuf + r * D, qrows[r], (size_t)D * sizeof(uint16_t));
+    memset(qbuf + rows * D, 0, (size_t)((padded - rows) * D) * sizeof(uint16_t));
+    amx_configure();
+    for (int64_t c = 0; c < chunks; c++)
+        for (int64_t r0 = 0; r0 < padded; r0 += 16) {
+            _tile_zero(0);
+            for (int64_t d0 = 0; d0 < D; d0 += 32) {
+                _tile_loadd(1, qbuf + r0 * D + d0, 2 * D);
+                _tile_loadd(2, kts + (c * pairs + d0 / 2) * 16, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, scores + r0 * stride + 16 * c, 4 * stride);
+        }
+    _tile_release();
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < 16 * chunks; t += 16)
+            _mm512_storeu_ps(scores + r * stride + t, _mm512_mul_ps(_mm512_loadu_ps(scores + r * stride + t), s));
+    return 1;
+#else
+    (void)qrows, (void)rows, (void)D, (void)kts, (void)chunks, (void)scale, (void)scores, (void)stride, (void)qbuf;
     return 0;
 #endif
 }

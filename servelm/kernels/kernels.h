@@ -27,6 +27,12 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
  * decode_scores_use_amx(want): with want 0 or 1, turns it off or on for the whole process (-1 leaves it);
  * returns whether it runs now where the shapes allow. */
 int decode_scores_use_amx(int want);
+/* Prefill's scores the same way (where decode_scores_use_amx allows, D a multiple of 32): scores[r * stride +
+ * 16c + j] = scale * q_r . key 16c + j for the rows query rows at qrows (D each) against chunks of 16 keys,
+ * transposed at kts as paged_attention.c's prefill lays them out (the tile unit's pair layout). scores has
+ * room for rows rounded up to 16; qbuf for as many rows of D. */
+int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, const uint32_t *kts, int64_t chunks,
+                       float scale, float *scores, int64_t stride, uint16_t *qbuf);
 int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
                       int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale, float *scores);
 

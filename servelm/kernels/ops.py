@@ -214,10 +214,10 @@ class CpuKernels:
         return self._w8a8_use_amx(enable)
 
     def attention_use_amx(self, enable: bool | None = None) -> bool:
-        """Whether bfloat16 ``decode_attention`` takes its scores (q . k) on AMX tiles (CPUs that have them, where
-        Linux grants them; 16-token cache blocks or multiples) rather than AVX512-BF16; ``enable`` turns that on
-        or off for the whole process first. Both sum exact bfloat16 products in float32, in different orders:
-        the switch is for comparing the two."""
+        """Whether bfloat16 ``decode_attention`` and ``prefill_attention`` take their scores (q . k) on AMX tiles
+        (CPUs that have them, where Linux grants them; for decoding, 16-token cache blocks or multiples) rather
+        than AVX512-BF16; ``enable`` turns that on or off for the whole process first. Both sum exact bfloat16
+        products in float32, in different orders: the switch is for comparing the two."""
         return self._attention_use_amx(enable)
 
     def one_token_decoder(

@@ -332,13 +332,15 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
     uint32_t *kt = malloc(sizeof(uint32_t) * (size_t)kt_at[S]);
     int64_t longest = 1; /* context */
     for (int64_t s = 0; s < S; s++) longest = ctx_lens[s] > longest ? ctx_lens[s] : longest;
-    const int64_t most_rows = tokens * G, widest = (longest + 15) / 16 * 16;
+    const int64_t most_rows = (tokens * G + 15) / 16 * 16, widest = (longest + 15) / 16 * 16; /* 16s: AMX tiles */
     _Pragma("omp parallel num_threads(nthreads)") {
         /* one workspace per thread, for the largest item: a malloc per item cost more than small items */
         float *scores = malloc(sizeof(float) * (size_t)(most_rows * widest) +
-                               sizeof(void *) * (size_t)(most_rows + longest));
+                               sizeof(void *) * (size_t)(most_rows + longest) +
+                               sizeof(uint16_t) * (size_t)(most_rows * D));
         const uint32_t **qrows = (const uint32_t **)(scores + most_rows * widest);
         const uint16_t **rows_at = (const uint16_t **)(qrows + most_rows); /* K rows, then V rows */
+        uint16_t *qbuf = (uint16_t *)(rows_at + longest); /* the item's query rows, for AMX tiles */
         _Pragma("omp for schedule(dynamic)")
         for (int64_t sh = 0; sh < S * KVH; sh++) {
             const int64_t s = sh / KVH, h = sh % KVH, ctx = ctx_lens[s], padded = (ctx + 15) / 16 * 16;
@@ -368,6 +370,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
             const uint16_t **v_rows = rows_at;
             for (int64_t r = 0; r < rows; r++) /* row r: token r / G, head h * G + r % G */
                 qrows[r] = (const uint32_t *)(q + (q_starts[s] + first + r / G) * q_stride + (h * G + r % G) * D);
+            if (!prefill_scores_amx(qrows, rows, D, kts, stride / 16, scale, scores, stride, qbuf))
             for (int64_t c = 0; c < stride / 16; c++)
                 for (int64_t r0 = 0; r0 < rows; r0 += PREFILL_ROWS)
                     rows_scores(kts + c * pairs * 16, qrows + r0, rows - r0 < PREFILL_ROWS ? rows - r0 : PREFILL_ROWS,

@@ -229,13 +229,18 @@ def scores_on_and_off(cpu_ops, native_kernels, case: Case) -> tuple[torch.Tensor
     return on, off
 
 
+AMX_CASES = {
+    "decodes": ([], [1, 15, 16, 17, 250, 129]),
+    "one decode": ([], [200]),
+    "prefills and decodes": PREFILLS_AND_DECODES,
+}
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", AMX_HEAD_SHAPES)
-@pytest.mark.parametrize("contexts", [[1, 15, 16, 17, 250, 129], [200]], ids=["batch", "one"])
-def test_decode_scores_on_amx_tiles_match_the_avx512_ones(
-    cpu_ops, native_kernels, num_heads, num_kv_heads, head_dim, contexts
-):
+@pytest.mark.parametrize("name", AMX_CASES)
+def test_scores_on_amx_tiles_match_the_avx512_ones(cpu_ops, native_kernels, num_heads, num_kv_heads, head_dim, name):
     """16-token blocks with stale NaN in the last blocks' unused slots, which a tile loads but must never use."""
-    case = make_case([], contexts, num_heads, num_kv_heads, head_dim=head_dim, block_size=16, seed=11)
+    case = make_case(*AMX_CASES[name], num_heads, num_kv_heads, head_dim=head_dim, block_size=16, seed=11)
     flat = case.cache.view(2, -1, *case.cache.shape[-2:])
     for i, ctx in enumerate(case.meta.context_lens):
         table = case.meta.block_tables[i]
@@ -246,12 +251,16 @@ def test_decode_scores_on_amx_tiles_match_the_avx512_ones(
     torch.testing.assert_close(on.float(), off.float(), atol=1e-2, rtol=1e-2)  # one bfloat16 rounding apart at most
 
 
-def test_decode_scores_do_run_on_amx_tiles(cpu_ops, native_kernels):
-    # The two sum the same products in different orders, which shows in a few outputs' last bit (3 of the
-    # 128-dim heads' 24576 here): were the switch to change nothing, every output would be the same.
-    differing = 0
+def test_scores_do_run_on_amx_tiles(cpu_ops, native_kernels):
+    # The two sum the same products in different orders, which shows in a few outputs' last bit (for decoding,
+    # 3 of the 128-dim heads' 24576 here): were the switch to change nothing, every output would be the same.
+    differing = {"prefill": 0, "decode": 0}
     for num_heads, num_kv_heads, head_dim in AMX_HEAD_SHAPES:
-        case = make_case([], [1, 15, 16, 17, 250, 129], num_heads, num_kv_heads, head_dim, block_size=16, seed=11)
+        case = make_case(*PREFILLS_AND_DECODES, num_heads, num_kv_heads, head_dim, block_size=16, seed=11)
         on, off = scores_on_and_off(cpu_ops, native_kernels, case)
-        differing += int((on != off).sum())
-    assert differing > 0
+        split = case.meta.num_prefill_tokens
+        differing["prefill"] += int((on[:split] != off[:split]).sum())
+        decodes = make_case([], [1, 15, 16, 17, 250, 129], num_heads, num_kv_heads, head_dim, block_size=16, seed=11)
+        on, off = scores_on_and_off(cpu_ops, native_kernels, decodes)
+        differing["decode"] += int((on != off).sum())
+    assert differing["prefill"] > 0 and differing["decode"] > 0, differing
