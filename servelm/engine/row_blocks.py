@@ -7,7 +7,9 @@ milliseconds a decoding step. So a row is reduced in blocks of ``BLOCK``
 columns first, and only the one block that holds the answer is searched
 with the costly operation. A sort costs far more again (tens of
 milliseconds a row): ``mass_threshold`` finds a top-p cutoff from bucket
-sums instead.
+sums instead. The raw logprobs are never written out either:
+``log_softmax_stats`` gives each row's largest value, its index and its
+logsum, from which any logprob follows.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from servelm import kernels
 
 BLOCK = 1024  # columns per block
 
@@ -25,6 +29,22 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block = _per_block(x, lambda blocks: blocks.amax(dim=-1)).max(dim=-1).indices[:, None]
     values, within = _block_columns(x, block, float("-inf")).max(dim=-1)
     return values, block[:, 0] * BLOCK + within
+
+
+def log_softmax_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(largest, index, logsum)`` per row of float32 ``logits``, with ``log_softmax(logits) = logits -
+    largest - logsum``: ``logits.max(dim=-1)`` (a NaN counts as largest) and ``log(sum(exp(logits -
+    largest)))``, NaN where ``largest`` is not finite, as the log-softmax row then is.
+
+    On CPU one pass of a native kernel, 2-3x faster than ``log_softmax`` over a 150k vocabulary, which
+    also writes a result as large as the logits (bench/sampler_stats.py).
+    """
+    native = kernels.for_tensors(logits)
+    if native is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+        return native.log_softmax_stats(logits)
+    largest, index = row_max(logits)
+    # logsumexp is inf, -inf or NaN where largest is not finite, and the difference then NaN.
+    return largest, index, torch.logsumexp(logits, dim=-1) - largest
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

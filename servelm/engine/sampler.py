@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from servelm import kernels
 from servelm.engine.grammar_matcher import GrammarMatcher, mask_logits
-from servelm.engine.row_blocks import inverse_cdf, mass_threshold, row_max
+from servelm.engine.row_blocks import inverse_cdf, log_softmax_stats, mass_threshold, row_max
 from servelm.engine.sampling_params import SamplingParams
 
 # How many of the most likely tokens top-p looks at before it searches a whole row.
@@ -143,22 +142,6 @@ class Sampler:
             logprobs=chosen.tolist(),
             top_logprobs=top_logprobs(logits, states, (largest, logsum)),
         )
-
-
-def log_softmax_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(largest, index, logsum)`` per row of float32 ``logits``, with ``log_softmax(logits) = logits -
-    largest - logsum``: ``logits.max(dim=-1)`` (a NaN counts as largest) and ``log(sum(exp(logits -
-    largest)))``, NaN where ``largest`` is not finite, as the log-softmax row then is.
-
-    On CPU one pass of a native kernel, 2-3x faster than ``log_softmax`` over a 150k vocabulary, which
-    also writes a result as large as the logits (bench/sampler_stats.py).
-    """
-    native = kernels.for_tensors(logits)
-    if native is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
-        return native.log_softmax_stats(logits)
-    largest, index = row_max(logits)
-    # logsumexp is inf, -inf or NaN where largest is not finite, and the difference then NaN.
-    return largest, index, torch.logsumexp(logits, dim=-1) - largest
 
 
 def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

@@ -1,6 +1,8 @@
-/* exp over 16 float32 lanes, for the kernels' softmaxes and SiLU: libmvec's expf, which GCC calls from
- * vectorized loops, cost several times more. */
+/* exp over 16 float32 lanes, for the kernels' SiLU and the attention's softmax (below): libmvec's expf,
+ * which GCC calls from vectorized loops, cost several times more. */
 #pragma once
+#include <math.h>
+#include <stdint.h>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -19,3 +21,37 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 #endif
+
+/* s[0..len) = softmax(s[0..len)), in place, in float32. */
+static inline void softmax_(float *s, int64_t len) {
+#ifdef __AVX512F__
+    /* 16 lanes at a time, the tail masked; exp16's argument floored at -200 (e^-200 is 0 in float32 and
+     * exp16(-inf) would be NaN). */
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+    const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1);
+    vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, s + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax)), floor = _mm512_set1_ps(-200.f);
+    __m512 vsum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= len; t += 16) {
+        const __m512 e = exp16(_mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), m), floor));
+        _mm512_storeu_ps(s + t, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    const __m512 e = exp16(_mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m), floor));
+    _mm512_mask_storeu_ps(s + t, tail, e);
+    vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    for (t = 0; t + 16 <= len; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+    _mm512_mask_storeu_ps(s + t, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + t), inv));
+#else
+    float mx = s[0], sum = 0.f;
+    for (int64_t t = 1; t < len; t++) mx = s[t] > mx ? s[t] : mx;
+    _Pragma("omp simd reduction(+:sum)")
+    for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - mx); sum += s[t]; }
+    const float inv = 1.f / sum;
+    _Pragma("omp simd")
+    for (int64_t t = 0; t < len; t++) s[t] *= inv;
+#endif
+}
