@@ -226,12 +226,42 @@ static void scale_out(int32_t (*sums)[64], int rows, int64_t cols, const float *
 #define AMX_BLOCK_ROWS 256
 #define AMX_BLOCK_PAIRS 8
 
+/* Where a tile's sums go once scaled (scale_out): the GEMM's, the same for every tile. */
+struct out_spec {
+    const float *scales;
+    const void *bias;
+    int x_bf16;
+    int64_t N;
+};
+
+/* A tile of sums waiting for scale_out: rows x cols of sums, the first output row's scale and the output's
+ * first element (row 0, column n0). */
+struct pending {
+    int32_t (*sums)[64];
+    int rows;
+    int64_t cols, n0;
+    const float *row_scales;
+    char *out;
+};
+
+/* Rows r0 to r1 of a pending tile through scale_out. */
+static inline void finish_rows(const struct pending *p, int r0, int r1, const struct out_spec *o) {
+    const size_t row_bytes = (size_t)o->N * (o->x_bf16 ? 2 : 4);
+    scale_out(p->sums + r0, r1 - r0, p->cols, p->row_scales + r0, NULL, o->scales, o->bias, o->x_bf16, p->n0, o->N,
+              p->out + r0 * row_bytes);
+}
+
 /* The int32 sums of 16 or 32 rows (lower: rows 16-31 too) of q (signed bytes, Kp a multiple of 64, in tiles: each
  * 16 rows x 64 of K 1 KiB in a row) x the blocks of 16 outputs at w0 and w1 (w1 NULL: w0's alone), into
  * sums[r][j]. A block's 16 groups of 4 of K in a step of 64 are 1 KiB in a row too. stream: the first rows
- * of a row block, for which the weights come from memory. */
+ * of a row block, for which the weights come from memory. prev (NULL: none): the previous tile, scaled a few
+ * rows a step while the tile unit multiplies, since the vector units would otherwise scale it with the tile
+ * unit idle (at K = 896 a tile multiplies in 14 steps, about as long as its 32 x 32 outputs take to scale). */
 static void amx_tile(const int8_t *q, int64_t Kp, int lower, const int8_t *w0, const int8_t *w1,
-                     int32_t (*sums)[64], int stream) {
+                     int32_t (*sums)[64], int stream, const struct pending *prev, const struct out_spec *o) {
+    const int64_t steps = Kp / 64;
+    const int rows = prev ? prev->rows : 0, per_step = (int)((rows + steps - 1) / steps);
+    int done = 0;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -252,6 +282,11 @@ static void amx_tile(const int8_t *q, int64_t Kp, int lower, const int8_t *w0, c
             _tile_loadd(5, q + 16 * Kp + 16 * k, 64);
             _tile_dpbssd(2, 5, 6);
             if (w1) _tile_dpbssd(3, 5, 7);
+        }
+        if (done < rows) {
+            const int end = done + per_step < rows ? done + per_step : rows;
+            finish_rows(prev, done, end, o);
+            done = end;
         }
     }
     _tile_stored(0, sums[0], 256);
@@ -275,21 +310,26 @@ static void amx_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8
     for (int64_t m = 0; m < M; m++)
         quantize_row(x, x_bf16, m, K, Kp, 0, 1024, (uint8_t *)q + m / 16 * 16 * Kp + m % 16 * 64, row_scales + m);
     amx_configure();
+    const struct out_spec spec = {scales, bias, x_bf16, N};
+    int32_t sums[2][AMX_ROWS][64] __attribute__((aligned(64))); /* a tile's sums, the previous one's */
+    struct pending prev = {NULL, 0, 0, 0, NULL, NULL};
     _Pragma("omp for collapse(2) schedule(static) nowait")
     for (int64_t rb = 0; rb < row_blocks; rb++)
         for (int64_t pb = 0; pb < pair_blocks; pb++) {
             const int64_t m_end = (rb + 1) * AMX_BLOCK_ROWS < M ? (rb + 1) * AMX_BLOCK_ROWS : M;
             const int64_t p_end = (pb + 1) * AMX_BLOCK_PAIRS < pairs ? (pb + 1) * AMX_BLOCK_PAIRS : pairs;
-            int32_t sums[AMX_ROWS][64] __attribute__((aligned(64)));
             for (int64_t m = rb * AMX_BLOCK_ROWS; m < m_end; m += AMX_ROWS)
                 for (int64_t p = pb * AMX_BLOCK_PAIRS; p < p_end; p++) {
                     const int64_t n0 = p * 32;
                     const int8_t *w0 = packed + n0 * Kp, *w1 = n0 + 16 < Np ? w0 + 16 * Kp : NULL;
-                    amx_tile(q + m * Kp, Kp, M - m > 16, w0, w1, sums, m == rb * AMX_BLOCK_ROWS);
-                    scale_out(sums, M - m < AMX_ROWS ? (int)(M - m) : AMX_ROWS, w1 ? 32 : 16, row_scales + m, NULL,
-                              scales, bias, x_bf16, n0, N, (char *)out + (size_t)(m * N) * out_size);
+                    int32_t(*next)[64] = sums[prev.sums == sums[0]];
+                    amx_tile(q + m * Kp, Kp, M - m > 16, w0, w1, next, m == rb * AMX_BLOCK_ROWS,
+                             prev.sums ? &prev : NULL, &spec);
+                    prev = (struct pending){next, M - m < AMX_ROWS ? (int)(M - m) : AMX_ROWS, w1 ? 32 : 16, n0,
+                                            row_scales + m, (char *)out + (size_t)(m * N) * out_size};
                 }
         }
+    if (prev.sums) finish_rows(&prev, 0, prev.rows, &spec);
     _tile_release();
     }
     free(q);
