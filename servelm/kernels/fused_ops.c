@@ -114,17 +114,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
         const uint16_t *g = gate_up + r * 2 * inner, *u = g + inner;
         uint16_t *o = out + r * inner;
         int64_t i = 0;
-        for (; i + 16 <= inner; i += 16) {
-            /* sigmoid(v) = 1 / (1 + e) for v >= 0, e / (1 + e) below, with e = exp(-|v|) <= 1: no overflow */
-            const __m512 v = widen16(g + i);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v)));
-            const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-            __m512 inv = _mm512_rcp14_ps(d); /* 14 bits, then one Newton step */
-            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
-            const __m512 sigmoid = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), inv, e);
-            const __m512 silu = widen16_bits((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sigmoid))); /* rounded */
-            _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, widen16(u + i))));
-        }
+        for (; i + 16 <= inner; i += 16) _mm256_storeu_si256((__m256i *)(o + i), silu_mul16_bf16(widen16(g + i), widen16(u + i)));
         for (; i < inner; i++) o[i] = f32_to_bf16(bf16_round(silu(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
     }
 }

@@ -20,6 +20,22 @@ static inline __m512 exp16(__m512 x) {
     for (int i = 0; i < 7; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficients[i]));
     return _mm512_scalef_ps(p, n);
 }
+
+#ifdef __AVX512BF16__
+/* round(silu(g)) * u for 16 lanes of bfloat16 values g and u (widened), rounded to bfloat16 (its bits): SiLU
+ * * up as the bfloat16 layers compute it. sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below, with e =
+ * exp(-|g|) <= 1: no overflow; the reciprocal to 14 bits, then one Newton step. */
+static inline __m256i silu_mul16_bf16(__m512 g, __m512 u) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.f)));
+    const __m512 sigmoid = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), inv, e);
+    const __m256i silu = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(g, sigmoid));
+    const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(silu), 16));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded, u));
+}
+#endif
 #endif
 
 /* s[0..len) = softmax(s[0..len)), in place, in float32. */

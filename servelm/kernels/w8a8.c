@@ -32,13 +32,19 @@
  * outputs), which then go through the same scaling as the VNNI tile's.
  * Linux hands out the tile registers only on request (amx.h), once per
  * process; where that fails, or after w8a8_use_amx(0), the VNNI path runs,
- * with sums identical to the last bit. */
+ * with sums identical to the last bit.
+ *
+ * A gated MLP's gate/up weight can be packed with its rows in pairs of
+ * 16-row blocks (gate, then up): both paths then write silu(gate) * up of
+ * each pair (silu = 1), never the [M, N] product itself. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
 #include "kernels.h"
+#include "vexp.h"
 
 #include "amx.h"
 
@@ -187,35 +193,88 @@ TILE_FNS(1) TILE_FNS(2) TILE_FNS(3) TILE_FNS(4) TILE_FNS(5) TILE_FNS(6)
 static const tile_fn TILES[TILE_ROWS][TILE_BLOCKS] = {TILE_ROW(1), TILE_ROW(2), TILE_ROW(3),
                                                       TILE_ROW(4), TILE_ROW(5), TILE_ROW(6)};
 
-/* out[r][n0 + j] = (sums[r][j] - comp) * row scale * output scale + bias, for rows x cols (masked past N);
- * comp NULL: none (the AMX sums). */
-static void scale_out(int32_t (*sums)[64], int rows, int64_t cols, const float *row_scales, const int32_t *comp,
-                      const float *scales, const void *bias, int x_bf16, int64_t n0, int64_t N, void *out) {
+/* What one w8a8_gemm call writes its sums into, the same for all its tiles: out = (sums - comp) * row scale *
+ * scales[n] + bias[n], rounded to x's dtype (comp NULL: none, the AMX sums). silu: the columns come in pairs
+ * of 16-blocks, gate then up (N a multiple of 32), and out [M, N / 2] gets round(silu(gate)) * up of each
+ * pair instead, each product rounded to x's dtype first, as a separate silu_mul over the GEMM's output. */
+struct out_spec {
+    const float *row_scales, *scales;
+    const int32_t *comp;
+    const void *bias;
+    int x_bf16, silu;
+    int64_t N;
+    void *out;
+};
+
+/* 16 outputs of row m at column n (mask: those before N) from the int32 sums, as float32. */
+static inline __m512 scaled16(const int32_t *sums, const struct out_spec *o, int64_t m, int64_t n, __mmask16 mask) {
+    const __m512i c = o->comp ? _mm512_loadu_si512(o->comp + n) : _mm512_setzero_si512();
+    __m512 bv = _mm512_setzero_ps();
+    if (o->bias)
+        bv = o->x_bf16 ? widen16_bits(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)o->bias + n))
+                       : _mm512_maskz_loadu_ps(mask, (const float *)o->bias + n);
+    const __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, o->scales + n), _mm512_set1_ps(o->row_scales[m]));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(sums), c)), s, bv);
+}
+
+/* 16 float32 values rounded to x's dtype, stored at element n of row m (mask: those before the row's end). */
+static inline void store16(const struct out_spec *o, int64_t m, int64_t n, int64_t width, __mmask16 mask, __m512 y) {
+    if (o->x_bf16) {
+        uint16_t *dst = (uint16_t *)o->out + m * width + n;
+#ifdef __AVX512BF16__
+        _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(y));
+#else
+        float tmp[16];
+        _mm512_storeu_ps(tmp, y);
+        for (int i = 0; i < 16; i++)
+            if (mask >> i & 1) dst[i] = f32_to_bf16(tmp[i]);
+#endif
+    } else {
+        _mm512_mask_storeu_ps((float *)o->out + m * width + n, mask, y);
+    }
+}
+
+/* SiLU of one float32 value, as fused_ops.c's portable silu_mul computes it. */
+static inline float silu1(float v) {
+    const float e = expf(-fabsf(v));
+    return v * (v < 0.f ? e : 1.f) / (1.f + e);
+}
+
+/* round(silu(round(g))) * round(u), rounded, for 16 lanes: silu_mul over the rounded GEMM outputs. */
+static inline void store_silu16(const struct out_spec *o, int64_t m, int64_t n, __m512 g, __m512 u) {
+    const int64_t width = o->N / 2;
+#ifdef __AVX512BF16__
+    if (o->x_bf16) {
+        const __m512 gr = widen16_bits((__m256i)_mm512_cvtneps_pbh(g)), ur = widen16_bits((__m256i)_mm512_cvtneps_pbh(u));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)o->out + m * width + n), silu_mul16_bf16(gr, ur));
+        return;
+    }
+#endif
+    float gs[16], us[16], y[16];
+    _mm512_storeu_ps(gs, g);
+    _mm512_storeu_ps(us, u);
+    for (int i = 0; i < 16; i++) {
+        const float gi = o->x_bf16 ? bf16_to_f32(f32_to_bf16(gs[i])) : gs[i];
+        const float ui = o->x_bf16 ? bf16_to_f32(f32_to_bf16(us[i])) : us[i];
+        const float si = o->x_bf16 ? bf16_to_f32(f32_to_bf16(silu1(gi))) : silu1(gi);
+        y[i] = si * ui;
+    }
+    store16(o, m, n, width, 0xFFFF, _mm512_loadu_ps(y));
+}
+
+/* Rows m to m + rows of the outputs at columns n0 to n0 + cols (masked past N) from their sums, sums[r][j]. */
+static void scale_out(int32_t (*sums)[64], int rows, int64_t cols, int64_t m, int64_t n0, const struct out_spec *o) {
+    if (o->silu) {
+        for (int64_t j = 0; j < cols; j += 32)
+            for (int r = 0; r < rows; r++)
+                store_silu16(o, m + r, (n0 + j) / 2, scaled16(sums[r] + j, o, m + r, n0 + j, 0xFFFF),
+                             scaled16(sums[r] + j + 16, o, m + r, n0 + j + 16, 0xFFFF));
+        return;
+    }
     for (int64_t j = 0; j < cols; j += 16) {
         const int64_t n = n0 + j;
-        const __mmask16 mask = (__mmask16)(N - n >= 16 ? 0xFFFF : (1u << (N - n)) - 1);
-        const __m512i c = comp ? _mm512_loadu_si512(comp + n) : _mm512_setzero_si512();
-        const __m512 s = _mm512_maskz_loadu_ps(mask, scales + n);
-        __m512 bv = _mm512_setzero_ps();
-        if (bias)
-            bv = x_bf16 ? widen16_bits(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)bias + n))
-                        : _mm512_maskz_loadu_ps(mask, (const float *)bias + n);
-        for (int r = 0; r < rows; r++) {
-            const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(sums[r] + j), c));
-            const __m512 y = _mm512_fmadd_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(row_scales[r])), bv);
-            if (x_bf16) {
-                uint16_t *o = (uint16_t *)out + r * N + n;
-#ifdef __AVX512BF16__
-                _mm256_mask_storeu_epi16(o, mask, (__m256i)_mm512_cvtneps_pbh(y));
-#else
-                float tmp[16];
-                _mm512_storeu_ps(tmp, y);
-                for (int i = 0; i < 16 && n + i < N; i++) o[i] = f32_to_bf16(tmp[i]);
-#endif
-            } else {
-                _mm512_mask_storeu_ps((float *)out + r * N + n, mask, y);
-            }
-        }
+        const __mmask16 mask = (__mmask16)(o->N - n >= 16 ? 0xFFFF : (1u << (o->N - n)) - 1);
+        for (int r = 0; r < rows; r++) store16(o, m + r, n, o->N, mask, scaled16(sums[r] + j, o, m + r, n, mask));
     }
 }
 
@@ -226,29 +285,16 @@ static void scale_out(int32_t (*sums)[64], int rows, int64_t cols, const float *
 #define AMX_BLOCK_ROWS 256
 #define AMX_BLOCK_PAIRS 8
 
-/* Where a tile's sums go once scaled (scale_out): the GEMM's, the same for every tile. */
-struct out_spec {
-    const float *scales;
-    const void *bias;
-    int x_bf16;
-    int64_t N;
-};
-
-/* A tile of sums waiting for scale_out: rows x cols of sums, the first output row's scale and the output's
- * first element (row 0, column n0). */
+/* A tile of sums waiting for scale_out: rows x cols of them, for the outputs from row m, column n0. */
 struct pending {
     int32_t (*sums)[64];
     int rows;
-    int64_t cols, n0;
-    const float *row_scales;
-    char *out;
+    int64_t cols, m, n0;
 };
 
 /* Rows r0 to r1 of a pending tile through scale_out. */
 static inline void finish_rows(const struct pending *p, int r0, int r1, const struct out_spec *o) {
-    const size_t row_bytes = (size_t)o->N * (o->x_bf16 ? 2 : 4);
-    scale_out(p->sums + r0, r1 - r0, p->cols, p->row_scales + r0, NULL, o->scales, o->bias, o->x_bf16, p->n0, o->N,
-              p->out + r0 * row_bytes);
+    scale_out(p->sums + r0, r1 - r0, p->cols, p->m + r0, p->n0, o);
 }
 
 /* The int32 sums of 16 or 32 rows (lower: rows 16-31 too) of q (signed bytes, Kp a multiple of 64, in tiles: each
@@ -295,24 +341,23 @@ static void amx_tile(const int8_t *q, int64_t Kp, int lower, const int8_t *w0, c
     _tile_stored(3, sums[16] + 16, 256);
 }
 
-static void amx_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *packed, const float *scales,
-                     const void *bias, int64_t N, void *out, int nthreads) {
+static void amx_gemm(const void *x, int64_t M, int64_t K, const int8_t *packed, struct out_spec o, int nthreads) {
+    const int64_t N = o.N;
     const int64_t Np = round_up(N, 16), Kp = round_up(K, K_ALIGN), Mp = round_up(M, AMX_ROWS);
     int8_t *q = aligned_alloc(64, (size_t)(Mp * Kp));
     /* the last step's rows past M multiply zeros: they are spread over its tiles, so those are cleared whole */
     memset(q + M / 16 * 16 * Kp, 0, (size_t)((Mp - M / 16 * 16) * Kp));
     float *row_scales = malloc(sizeof(float) * (size_t)M);
+    o.row_scales = row_scales;
     const int64_t pairs = (Np / 16 + 1) / 2, row_blocks = (Mp + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
     const int64_t pair_blocks = (pairs + AMX_BLOCK_PAIRS - 1) / AMX_BLOCK_PAIRS;
-    const size_t out_size = x_bf16 ? 2 : 4;
     _Pragma("omp parallel num_threads(nthreads)") {
     _Pragma("omp for schedule(static)")
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x, x_bf16, m, K, Kp, 0, 1024, (uint8_t *)q + m / 16 * 16 * Kp + m % 16 * 64, row_scales + m);
+        quantize_row(x, o.x_bf16, m, K, Kp, 0, 1024, (uint8_t *)q + m / 16 * 16 * Kp + m % 16 * 64, row_scales + m);
     amx_configure();
-    const struct out_spec spec = {scales, bias, x_bf16, N};
     int32_t sums[2][AMX_ROWS][64] __attribute__((aligned(64))); /* a tile's sums, the previous one's */
-    struct pending prev = {NULL, 0, 0, 0, NULL, NULL};
+    struct pending prev = {NULL, 0, 0, 0, 0};
     _Pragma("omp for collapse(2) schedule(static) nowait")
     for (int64_t rb = 0; rb < row_blocks; rb++)
         for (int64_t pb = 0; pb < pair_blocks; pb++) {
@@ -324,12 +369,11 @@ static void amx_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8
                     const int8_t *w0 = packed + n0 * Kp, *w1 = n0 + 16 < Np ? w0 + 16 * Kp : NULL;
                     int32_t(*next)[64] = sums[prev.sums == sums[0]];
                     amx_tile(q + m * Kp, Kp, M - m > 16, w0, w1, next, m == rb * AMX_BLOCK_ROWS,
-                             prev.sums ? &prev : NULL, &spec);
-                    prev = (struct pending){next, M - m < AMX_ROWS ? (int)(M - m) : AMX_ROWS, w1 ? 32 : 16, n0,
-                                            row_scales + m, (char *)out + (size_t)(m * N) * out_size};
+                             prev.sums ? &prev : NULL, &o);
+                    prev = (struct pending){next, M - m < AMX_ROWS ? (int)(M - m) : AMX_ROWS, w1 ? 32 : 16, m, n0};
                 }
         }
-    if (prev.sums) finish_rows(&prev, 0, prev.rows, &spec);
+    if (prev.sums) finish_rows(&prev, 0, prev.rows, &o);
     _tile_release();
     }
     free(q);
@@ -339,20 +383,21 @@ static void amx_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8
 #endif
 
 void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *packed, const float *scales,
-               const void *bias, int64_t N, void *out, int nthreads) {
+               const void *bias, int64_t N, int silu, void *out, int nthreads) {
+#ifdef W8A8_VNNI
+    struct out_spec o = {NULL, scales, NULL, bias, x_bf16, silu, N, out};
 #ifdef W8A8_AMX
     if (M >= AMX_MIN_ROWS && amx_active()) {
-        amx_gemm(x, x_bf16, M, K, packed, scales, bias, N, out, nthreads);
+        amx_gemm(x, M, K, packed, o, nthreads);
         return;
     }
 #endif
-#ifdef W8A8_VNNI
     const int64_t Np = round_up(N, 16), Kp = round_up(K, K_ALIGN);
-    const int32_t *comp = (const int32_t *)(packed + Np * Kp);
+    o.comp = (const int32_t *)(packed + Np * Kp);
     uint8_t *q = aligned_alloc(64, (size_t)round_up(M * Kp, 64));
     float *row_scales = malloc(sizeof(float) * (size_t)M);
+    o.row_scales = row_scales;
     const int64_t panels = (Np / 16 + TILE_BLOCKS - 1) / TILE_BLOCKS, chunks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS;
-    const size_t out_size = x_bf16 ? 2 : 4;
     /* One parallel region for both loops: on a busy machine each region's start waits until every thread
      * is scheduled again, which can cost more than the GEMM itself. */
     _Pragma("omp parallel num_threads(nthreads)") {
@@ -369,8 +414,7 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
             for (int64_t m = m0; m < m0 + rows; m += TILE_ROWS) {
                 const int r = M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS;
                 TILES[r - 1][blocks - 1](q + m * Kp, Kp, w, sums);
-                scale_out(sums, r, 16 * blocks, row_scales + m, comp, scales, bias, x_bf16, n0, N,
-                          (char *)out + (size_t)(m * N) * out_size);
+                scale_out(sums, r, 16 * blocks, m, n0, &o);
             }
         }
     }

@@ -65,7 +65,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        fused = getattr(self.gate_up_proj, "silu_mul", None)  # w8a8's: in its GEMM (models/w8a8.py)
+        return self.down_proj(fused(x) if fused is not None else silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

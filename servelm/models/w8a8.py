@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from servelm import kernels
+from servelm.layers.activation import silu_and_mul
 from servelm.models.packed import replace_linears
 from servelm.models.quantization import Int8Rows
 
@@ -63,6 +64,38 @@ class W8A8Linear(Int8Rows):
         if self.packed is None:
             _warn_portable("no AVX512-VNNI" if native is not None else "servelm's CPU kernels are unavailable")
 
+        # pair_gate_up: the packed rows (and their scales and bias) in gate/up pairs of 16-row blocks
+        self.gate_up_pairs = False
+        self.packed_bias: torch.Tensor | None = None if self.bias is None else self.bias.data
+
+    def pair_gate_up(self) -> bool:
+        """Lay the packed weight out for :meth:`silu_mul`, this layer being a gated MLP's gate and up
+        projections (gate rows, then up): 16 gate rows, then their 16 up rows, and so on, so that the GEMM
+        can finish each pair of blocks as ``silu(gate) * up``. False (nothing changed) where the kernel does
+        not run or the inner size is not a multiple of 16. The plain int8 rows stay as they are; a second call
+        changes nothing."""
+        inner = self.out_features // 2
+        if self.packed is None or self.out_features % 32:
+            return False
+        order = torch.arange(self.out_features, device=self.qweight.device).view(2, inner // 16, 16)
+        order = order.transpose(0, 1).reshape(-1)
+        self.packed = kernels.cpu_kernels().w8a8_pack(self.qweight[order])
+        self.weight_scales = self.scales.float()[order]
+        self.packed_bias = None if self.bias is None else self.bias[order].contiguous()
+        self.gate_up_pairs = True
+        return True
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu_and_mul(self(x))``, to the last bit in bfloat16: after :meth:`pair_gate_up`, in the GEMM
+        itself for several rows, without the gate and up outputs in memory."""
+        flat = x.reshape(-1, self.in_features).contiguous()
+        native = kernels.for_tensors(flat)
+        if not self.gate_up_pairs or native is None or flat.shape[0] < 2:
+            return silu_and_mul(self(x))
+        bias = None if self.packed_bias is None else self.packed_bias.to(flat.dtype)
+        out = native.w8a8_linear(flat, self.packed, self.weight_scales, self.out_features, bias, silu_mul=True)
+        return out.reshape(*x.shape[:-1], self.out_features // 2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         bias = None if self.bias is None else self.bias.to(flat.dtype)
@@ -71,7 +104,10 @@ class W8A8Linear(Int8Rows):
             out = native.int8_linear(flat, self.qweight, self.scales)
             out = out if bias is None else out + bias
         elif self.packed is not None and native is not None:
-            out = native.w8a8_linear(flat, self.packed, self.weight_scales, self.out_features, bias)
+            packed_bias = None if self.packed_bias is None else self.packed_bias.to(flat.dtype)
+            out = native.w8a8_linear(flat, self.packed, self.weight_scales, self.out_features, packed_bias)
+            if self.gate_up_pairs:  # back from the pairs of blocks to gate, then up
+                out = out.view(-1, self.out_features // 32, 2, 16).transpose(1, 2).reshape(-1, self.out_features)
         else:
             q, row_scales = quantize_activations(flat)
             sums = torch._int_mm(q, self.qweight.t())
@@ -88,4 +124,9 @@ def quantize_w8a8(model: nn.Module, head_weight: torch.Tensor | None) -> int:
     bundled model it moved perplexity from +3.5% to +4.1% over bfloat16's (bench/quant_quality.py with
     four license texts, docs/BENCHMARKS.md): most of w8a8's cost in quality is the decoder's rounding.
     """
-    return replace_linears(model, W8A8Linear, head_weight)
+    count = replace_linears(model, W8A8Linear, head_weight)
+    for module in model.modules():  # the gated MLPs' SiLU * up, done by their gate_up GEMMs
+        gate_up = getattr(module, "gate_up_proj", None)
+        if isinstance(gate_up, W8A8Linear):
+            gate_up.pair_gate_up()
+    return count
