@@ -70,18 +70,21 @@ void bf16_gemm_pairs_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t
                          int64_t N, uint16_t *out, int nthreads);
 
 /* w8a8.c: W [N, K] int8 packed by w8a8_pack into w8a8_packed_bytes(N, K) bytes; x and out [M, K] / [M, N]
- * bfloat16 (x_bf16) or float32, bias [N] of x's dtype or NULL, scales [N] float32. silu: W's rows come in
- * pairs of 16-row blocks, gate then up (N a multiple of 32), and out [M, N / 2] is silu_mul's result over
- * the product's, block pair by block pair. Without AVX512-VNNI,
- * w8a8_supported() is 0 and w8a8_gemm does nothing. w8a8_use_amx(want): with want 0 or 1, turns the AMX
- * path off or on for the whole process (-1 leaves it); returns whether w8a8_gemm runs it now. */
+ * bfloat16 (x_bf16) or float32, bias [N] of x's dtype or NULL, scales [N] float32. flags W8A8_SILU_MUL: W's
+ * rows come in pairs of 16-row blocks, gate then up (N a multiple of 32), and out [M, N / 2] is silu_mul's
+ * result over the product's, block pair by block pair; W8A8_F32_OUT: out is float32 whatever x's dtype, with
+ * the values rounded to it. Without AVX512-VNNI, w8a8_supported() is 0 and w8a8_gemm does nothing.
+ * w8a8_use_amx(want): with want 0 or 1, turns the AMX path off or on for the whole process (-1 leaves it);
+ * returns whether w8a8_gemm runs it now. */
+#define W8A8_SILU_MUL 1
+#define W8A8_F32_OUT 2
 int w8a8_supported(void);
 int w8a8_use_amx(int want);
 int64_t w8a8_packed_bytes(int64_t N, int64_t K);
 int w8a8_packed_matches(const int8_t *packed, int64_t bytes, int64_t N, int64_t K);
 void w8a8_pack(const int8_t *w, int64_t N, int64_t K, int8_t *packed, int nthreads);
 void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *packed, const float *scales,
-               const void *bias, int64_t N, int silu, void *out, int nthreads);
+               const void *bias, int64_t N, int flags, void *out, int nthreads);
 
 /* decode_one.c: a linear layer [out_features, in_features]: bfloat16 weight,
  * plain or in gemv.c's pair layout, or int8 weight with bfloat16 scales per

@@ -314,7 +314,8 @@ std::optional<at::Tensor> w8a8_pack(const at::Tensor &qweight_arg) {
 }
 
 at::Tensor w8a8_linear(const at::Tensor &x_arg, const at::Tensor &packed, const at::Tensor &scales,
-                       int64_t out_features, const std::optional<at::Tensor> &bias_arg, bool silu_mul) {
+                       int64_t out_features, const std::optional<at::Tensor> &bias_arg, bool silu_mul,
+                       bool float_out) {
     const char *op = "w8a8_linear";
     check_cpu(op, {&x_arg, &packed, &scales});
     CHECK_ARG(w8a8_supported(), op, ": this CPU has no AVX512-VNNI, so no packed layout (w8a8_pack gives None)");
@@ -338,11 +339,12 @@ at::Tensor w8a8_linear(const at::Tensor &x_arg, const at::Tensor &packed, const 
         bias = bias_arg->contiguous();
     }
     const at::Tensor x = x_arg.contiguous();
-    at::Tensor out = at::empty({x.size(0), silu_mul ? out_features / 2 : out_features}, x.options());
+    at::Tensor out = at::empty({x.size(0), silu_mul ? out_features / 2 : out_features},
+                               float_out ? x.options().dtype(at::kFloat) : x.options());
     if (x.size(0) == 0) return out;
     ::w8a8_gemm(x.data_ptr(), x.scalar_type() == at::kBFloat16, x.size(0), x.size(1), packed.data_ptr<int8_t>(),
-                scales.data_ptr<float>(), bias_arg ? bias.data_ptr() : nullptr, out_features, silu_mul,
-                out.data_ptr(), at::get_num_threads());
+                scales.data_ptr<float>(), bias_arg ? bias.data_ptr() : nullptr, out_features,
+                (silu_mul ? W8A8_SILU_MUL : 0) | (float_out ? W8A8_F32_OUT : 0), out.data_ptr(), at::get_num_threads());
     return out;
 }
 
@@ -370,7 +372,7 @@ TORCH_LIBRARY_FRAGMENT(servelm, m) {
     m.def("pairs_amx(int in_features) -> bool", &servelm::pairs_amx);  // no tensor: every backend
     m.def("w8a8_pack(Tensor qweight) -> Tensor?");
     m.def("w8a8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias=None, "
-          "bool silu_mul=False) -> Tensor");
+          "bool silu_mul=False, bool float_out=False) -> Tensor");
     m.def("w8a8_use_amx(bool? enable=None) -> bool", &servelm::w8a8_use_amx);  // no tensor: every backend
     m.def("attention_use_amx(bool? enable=None) -> bool", &servelm::attention_use_amx);
 }

@@ -201,6 +201,7 @@ class CpuKernels:
         out_features: int,
         bias: torch.Tensor | None = None,
         silu_mul: bool = False,
+        float_out: bool = False,
     ) -> torch.Tensor:
         """``x W^T + b`` in int8 for ``x`` ``[M, K]`` bfloat16 or float32: each row of ``x`` quantized to int8
         with its own scale (max |x| / 127, rounded to nearest), multiplied by W = ``packed`` (``w8a8_pack``'s)
@@ -209,8 +210,12 @@ class CpuKernels:
 
         ``silu_mul``: W's rows come in pairs of 16-row blocks, a gate block then its up block (out_features
         a multiple of 32), and the result is ``[M, out_features / 2]``: ``silu_mul`` of the product, pair by
-        pair, to the last bit in bfloat16, without the product's own ``[M, out_features]`` in memory."""
-        return self._w8a8_linear(x, packed, scales, out_features, bias, silu_mul)
+        pair (to the last bit in bfloat16 on AVX512-BF16 CPUs, whose SiLU both share), without the product's
+        own ``[M, out_features]`` in memory.
+
+        ``float_out``: the result in float32 whatever x's dtype, holding the same values (rounded to x's
+        dtype), without a separate conversion pass: an LM head's logits."""
+        return self._w8a8_linear(x, packed, scales, out_features, bias, silu_mul, float_out)
 
     def w8a8_use_amx(self, enable: bool | None = None) -> bool:
         """Whether ``w8a8_linear`` runs 8 rows or more on AMX-INT8 tiles (CPUs that have them, where Linux grants

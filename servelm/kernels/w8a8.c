@@ -196,12 +196,13 @@ static const tile_fn TILES[TILE_ROWS][TILE_BLOCKS] = {TILE_ROW(1), TILE_ROW(2), 
 /* What one w8a8_gemm call writes its sums into, the same for all its tiles: out = (sums - comp) * row scale *
  * scales[n] + bias[n], rounded to x's dtype (comp NULL: none, the AMX sums). silu: the columns come in pairs
  * of 16-blocks, gate then up (N a multiple of 32), and out [M, N / 2] gets round(silu(gate)) * up of each
- * pair instead, each product rounded to x's dtype first, as a separate silu_mul over the GEMM's output. */
+ * pair instead, each product rounded to x's dtype first, as a separate silu_mul over the GEMM's output.
+ * f32_out: out is float32 whatever x's dtype, holding the values rounded to it. */
 struct out_spec {
     const float *row_scales, *scales;
     const int32_t *comp;
     const void *bias;
-    int x_bf16, silu;
+    int x_bf16, silu, f32_out;
     int64_t N;
     void *out;
 };
@@ -219,7 +220,17 @@ static inline __m512 scaled16(const int32_t *sums, const struct out_spec *o, int
 
 /* 16 float32 values rounded to x's dtype, stored at element n of row m (mask: those before the row's end). */
 static inline void store16(const struct out_spec *o, int64_t m, int64_t n, int64_t width, __mmask16 mask, __m512 y) {
-    if (o->x_bf16) {
+    if (o->x_bf16 && o->f32_out) {
+#ifdef __AVX512BF16__
+        y = widen16_bits((__m256i)_mm512_cvtneps_pbh(y));
+#else
+        float tmp[16];
+        _mm512_storeu_ps(tmp, y);
+        for (int i = 0; i < 16; i++) tmp[i] = bf16_to_f32(f32_to_bf16(tmp[i]));
+        y = _mm512_loadu_ps(tmp);
+#endif
+        _mm512_mask_storeu_ps((float *)o->out + m * width + n, mask, y);
+    } else if (o->x_bf16) {
         uint16_t *dst = (uint16_t *)o->out + m * width + n;
 #ifdef __AVX512BF16__
         _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(y));
@@ -244,7 +255,7 @@ static inline float silu1(float v) {
 static inline void store_silu16(const struct out_spec *o, int64_t m, int64_t n, __m512 g, __m512 u) {
     const int64_t width = o->N / 2;
 #ifdef __AVX512BF16__
-    if (o->x_bf16) {
+    if (o->x_bf16 && !o->f32_out) {
         const __m512 gr = widen16_bits((__m256i)_mm512_cvtneps_pbh(g)), ur = widen16_bits((__m256i)_mm512_cvtneps_pbh(u));
         _mm256_storeu_si256((__m256i *)((uint16_t *)o->out + m * width + n), silu_mul16_bf16(gr, ur));
         return;
@@ -383,9 +394,9 @@ static void amx_gemm(const void *x, int64_t M, int64_t K, const int8_t *packed, 
 #endif
 
 void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *packed, const float *scales,
-               const void *bias, int64_t N, int silu, void *out, int nthreads) {
+               const void *bias, int64_t N, int flags, void *out, int nthreads) {
 #ifdef W8A8_VNNI
-    struct out_spec o = {NULL, scales, NULL, bias, x_bf16, silu, N, out};
+    struct out_spec o = {NULL, scales, NULL, bias, x_bf16, !!(flags & W8A8_SILU_MUL), !!(flags & W8A8_F32_OUT), N, out};
 #ifdef W8A8_AMX
     if (M >= AMX_MIN_ROWS && amx_active()) {
         amx_gemm(x, M, K, packed, o, nthreads);

@@ -66,6 +66,8 @@ class W8A8Linear(Int8Rows):
 
         # pair_gate_up: the packed rows (and their scales and bias) in gate/up pairs of 16-row blocks
         self.gate_up_pairs = False
+        # an LM head's: forward returns float32 logits (the values rounded to x's dtype), written as such
+        self.float_out = False
         self.packed_bias: torch.Tensor | None = None if self.bias is None else self.bias.data
 
     def pair_gate_up(self) -> bool:
@@ -86,8 +88,8 @@ class W8A8Linear(Int8Rows):
         return True
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu_and_mul(self(x))``, to the last bit in bfloat16: after :meth:`pair_gate_up`, in the GEMM
-        itself for several rows, without the gate and up outputs in memory."""
+        """``silu_and_mul(self(x))``, to the last bit in bfloat16 on AVX512-BF16 CPUs: after
+        :meth:`pair_gate_up`, in the GEMM itself for several rows, without the gate and up outputs in memory."""
         flat = x.reshape(-1, self.in_features).contiguous()
         native = kernels.for_tensors(flat)
         if not self.gate_up_pairs or native is None or flat.shape[0] < 2:
@@ -105,7 +107,9 @@ class W8A8Linear(Int8Rows):
             out = out if bias is None else out + bias
         elif self.packed is not None and native is not None:
             packed_bias = None if self.packed_bias is None else self.packed_bias.to(flat.dtype)
-            out = native.w8a8_linear(flat, self.packed, self.weight_scales, self.out_features, packed_bias)
+            out = native.w8a8_linear(
+                flat, self.packed, self.weight_scales, self.out_features, packed_bias, float_out=self.float_out
+            )
             if self.gate_up_pairs:  # back from the pairs of blocks to gate, then up
                 out = out.view(-1, self.out_features // 32, 2, 16).transpose(1, 2).reshape(-1, self.out_features)
         else:
@@ -113,6 +117,7 @@ class W8A8Linear(Int8Rows):
             sums = torch._int_mm(q, self.qweight.t())
             out = sums.float() * row_scales * self.weight_scales
             out = (out if bias is None else out + bias.float()).to(flat.dtype)
+        out = out.float() if self.float_out else out
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -125,6 +130,9 @@ def quantize_w8a8(model: nn.Module, head_weight: torch.Tensor | None) -> int:
     four license texts, docs/BENCHMARKS.md): most of w8a8's cost in quality is the decoder's rounding.
     """
     count = replace_linears(model, W8A8Linear, head_weight)
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, W8A8Linear):  # float32 logits straight from the GEMM, not a copy of its output
+        head.float_out = True
     for module in model.modules():  # the gated MLPs' SiLU * up, done by their gate_up GEMMs
         gate_up = getattr(module, "gate_up_proj", None)
         if isinstance(gate_up, W8A8Linear):

@@ -126,6 +126,18 @@ def test_amx_and_vnni_give_the_same_output_to_the_last_bit(native_kernels, m, k,
     assert ((amx.double() - exact).abs() <= rounding * exact.abs() + 1e-4).all()
 
 
+@pytest.mark.parametrize("m", [1, 2, 8, 33, 300])
+@pytest.mark.usefixtures("cpu_ops")
+def test_an_lm_heads_float32_logits_are_its_bfloat16_outputs_widened(m):
+    gen = torch.Generator().manual_seed(m)
+    head = W8A8Linear(torch.randn(200, 64, generator=gen).bfloat16())
+    x = torch.randn(m, 64, generator=gen).bfloat16()
+    rounded = head(x)
+    head.float_out = True  # as quantize_w8a8 sets it on a model's head
+    logits = head(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits, rounded.float())
+
+
 def w8a8_args(native_kernels) -> dict:
     qweight = torch.randint(-127, 128, (20, 36), dtype=torch.int8)
     packed = native_kernels.w8a8_pack(qweight)
@@ -179,6 +191,7 @@ def test_quantize_w8a8_quantizes_every_linear_and_a_tied_head():
     assert quantize_w8a8(model, embedding) == 3
     assert isinstance(model.model[0], W8A8Linear) and isinstance(model.model[1][0], W8A8Linear)
     assert isinstance(model.lm_head, W8A8Linear) and model.lm_head.out_features == 32
+    assert model.lm_head.float_out and not model.model[0].float_out  # the head's logits come out in float32
     # the same int8 rows as weight-only int8 makes of the same weight
     rows = Int8Rows(embedding)
     assert torch.equal(model.lm_head.qweight, rows.qweight) and torch.equal(model.lm_head.scales, rows.scales)
