@@ -18,7 +18,10 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* The float32 counterpart of both, for kernels written once for the two dtypes. */
+/* f rounded to the nearest bfloat16, kept as a float32. */
+static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* The float32 counterpart of all three, for kernels written once for the two dtypes. */
 static inline float f32_identity(float f) { return f; }
 
 #ifdef __AVX512F__

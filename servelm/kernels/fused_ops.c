@@ -14,7 +14,6 @@
 #include "kernels.h"
 #include "vexp.h"
 
-static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* Threads only pay off above a few tens of thousands of elements. */
 #define PARALLEL _Pragma("omp parallel for schedule(static) num_threads(nthreads) if(rows * width >= 32768)")
@@ -70,14 +69,6 @@ void rope_##SUFFIX(T *x, int64_t rows, int64_t stride, int64_t heads, int64_t D,
             }                                                                                       \
         }                                                                                           \
     }                                                                                               \
-}
-
-/* SiLU with e = exp(-|v|), at most 1: v / (1 + e) for v >= 0 and v * e /
- * (1 + e) below never overflows (exp(-v) is inf below about -88, and
- * -ffast-math lets the compiler assume no infinity: v / (1 + inf) came out NaN). */
-static inline float silu(float v) {
-    const float e = expf(-fabsf(v));
-    return v * (v < 0.f ? e : 1.f) / (1.f + e);
 }
 
 /* out = round(silu(gate)) * up, for gate_up rows [gate | up] of 2 * inner. */

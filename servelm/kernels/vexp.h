@@ -1,8 +1,16 @@
-/* exp over 16 float32 lanes, for the kernels' SiLU and the attention's softmax (below): libmvec's expf,
- * which GCC calls from vectorized loops, cost several times more. */
+/* SiLU (one value, and 16 lanes times up) and exp over 16 float32 lanes, for the kernels and the attention's
+ * softmax (below): libmvec's expf, which GCC calls from vectorized loops, cost several times more. */
 #pragma once
 #include <math.h>
 #include <stdint.h>
+
+/* SiLU with e = exp(-|v|), at most 1: v / (1 + e) for v >= 0 and v * e /
+ * (1 + e) below never overflows (exp(-v) is inf below about -88, and
+ * -ffast-math lets the compiler assume no infinity: v / (1 + inf) came out NaN). */
+static inline float silu(float v) {
+    const float e = expf(-fabsf(v));
+    return v * (v < 0.f ? e : 1.f) / (1.f + e);
+}
 
 #ifdef __AVX512F__
 #include <immintrin.h>

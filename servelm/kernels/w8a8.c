@@ -37,7 +37,6 @@
  * A gated MLP's gate/up weight can be packed with its rows in pairs of
  * 16-row blocks (gate, then up): both paths then write silu(gate) * up of
  * each pair (silu = 1), never the [M, N] product itself. */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -226,7 +225,7 @@ static inline void store16(const struct out_spec *o, int64_t m, int64_t n, int64
 #else
         float tmp[16];
         _mm512_storeu_ps(tmp, y);
-        for (int i = 0; i < 16; i++) tmp[i] = bf16_to_f32(f32_to_bf16(tmp[i]));
+        for (int i = 0; i < 16; i++) tmp[i] = bf16_round(tmp[i]);
         y = _mm512_loadu_ps(tmp);
 #endif
         _mm512_mask_storeu_ps((float *)o->out + m * width + n, mask, y);
@@ -245,12 +244,6 @@ static inline void store16(const struct out_spec *o, int64_t m, int64_t n, int64
     }
 }
 
-/* SiLU of one float32 value, as fused_ops.c's portable silu_mul computes it. */
-static inline float silu1(float v) {
-    const float e = expf(-fabsf(v));
-    return v * (v < 0.f ? e : 1.f) / (1.f + e);
-}
-
 /* round(silu(round(g))) * round(u), rounded, for 16 lanes: silu_mul over the rounded GEMM outputs. */
 static inline void store_silu16(const struct out_spec *o, int64_t m, int64_t n, __m512 g, __m512 u) {
     const int64_t width = o->N / 2;
@@ -265,9 +258,9 @@ static inline void store_silu16(const struct out_spec *o, int64_t m, int64_t n, 
     _mm512_storeu_ps(gs, g);
     _mm512_storeu_ps(us, u);
     for (int i = 0; i < 16; i++) {
-        const float gi = o->x_bf16 ? bf16_to_f32(f32_to_bf16(gs[i])) : gs[i];
-        const float ui = o->x_bf16 ? bf16_to_f32(f32_to_bf16(us[i])) : us[i];
-        const float si = o->x_bf16 ? bf16_to_f32(f32_to_bf16(silu1(gi))) : silu1(gi);
+        const float gi = o->x_bf16 ? bf16_round(gs[i]) : gs[i];
+        const float ui = o->x_bf16 ? bf16_round(us[i]) : us[i];
+        const float si = o->x_bf16 ? bf16_round(silu(gi)) : silu(gi);
         y[i] = si * ui;
     }
     store16(o, m, n, width, 0xFFFF, _mm512_loadu_ps(y));
