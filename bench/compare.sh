@@ -24,7 +24,8 @@
 #
 # Servers: servelm (--dtype auto), servelm:bf16 (--dtype bfloat16),
 # servelm:fp32 (--dtype float32), servelm:int8 (--quantization int8),
-# servelm:w8a8 (--quantization w8a8), vllm_cpu, llama_server
+# servelm:w8a8 (--quantization w8a8), servelm:bf16-kv8 and servelm:w8a8-kv8 (the same
+# with --kv-cache-dtype int8), vllm_cpu, llama_server
 # (F16 GGUF), llama_server:q8_0, transformers_serve. A peer that is not
 # installed is skipped with a note (install it: bench/peers/NAME.sh install).
 #
@@ -125,6 +126,8 @@ for server in "${SERVERS[@]}"; do
     servelm:fp32) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--dtype float32") ;;
     servelm:int8) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--quantization int8") ;;
     servelm:w8a8) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--quantization w8a8") ;;
+    servelm:bf16-kv8) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--dtype bfloat16 --kv-cache-dtype int8") ;;
+    servelm:w8a8-kv8) variant_env=("SERVELM_SERVE_ARGS=${SERVELM_SERVE_ARGS:+$SERVELM_SERVE_ARGS }--quantization w8a8 --kv-cache-dtype int8") ;;
     llama_server:?*) variant_env=("LLAMA_MODEL=$variant") ;;
     *:?*)
         log "skipping $server: unknown variant"

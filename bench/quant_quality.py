@@ -1,7 +1,8 @@
 """What quantization costs in quality: greedy agreement with bfloat16 and perplexity on a fixed text.
 
 For each mode (bfloat16 unquantized, ``--quantization int8``, ``--quantization
-w8a8``, all over bfloat16 activations on the CPU) the bundled model:
+w8a8``, all over bfloat16 activations on the CPU; a mode ending in ``+kv8``
+also keeps the KV cache in int8, ``--kv-cache-dtype int8``) the bundled model:
 
 - completes bench/quantized.py's 12 prompts greedily, ``--tokens`` tokens each
   (EOS ignored), all prompts in one batch (so prefill and decoding run the
@@ -15,6 +16,7 @@ w8a8``, all over bfloat16 activations on the CPU) the bundled model:
 
     .venv/bin/python bench/quant_quality.py
     .venv/bin/python bench/quant_quality.py --tokens 64 --modes none w8a8
+    .venv/bin/python bench/quant_quality.py --modes none none+kv8 w8a8 w8a8+kv8
     .venv/bin/python bench/quant_quality.py --text-file /usr/share/common-licenses/{GPL-3,Apache-2.0,MPL-2.0,GFDL-1.3}
 """
 
@@ -52,7 +54,7 @@ TEXT = (
     "limit, or replacement."
 )
 
-MODES = ("none", "int8", "w8a8")
+MODES = ("none", "int8", "w8a8", "none+kv8", "w8a8+kv8")
 
 
 def main() -> None:
@@ -79,7 +81,8 @@ def main() -> None:
             dtype="bfloat16",
             device="cpu",
             kv_cache_memory=256 << 20,
-            quantization=mode,
+            quantization=mode.removesuffix("+kv8"),
+            kv_cache_dtype="int8" if mode.endswith("+kv8") else "auto",
             enable_prefix_caching=False,
             max_model_len=max(4096, args.text_tokens + 1),
         )
@@ -89,10 +92,10 @@ def main() -> None:
             scored = llm.generate(llm.tokenizer.encode(text)[: args.text_tokens], score)[0].prompt_logprobs
             logprobs = [p.chosen.logprob for p in scored if p is not None]
             by_text[name] = math.exp(-statistics.mean(logprobs))
-            print(f"{mode:>5}: perplexity {by_text[name]:.3f} over {len(logprobs)} tokens of {name}", flush=True)
+            print(f"{mode:>8}: perplexity {by_text[name]:.3f} over {len(logprobs)} tokens of {name}", flush=True)
         perplexity[mode] = math.exp(statistics.mean(math.log(v) for v in by_text.values()))
         if len(texts) > 1:
-            print(f"{mode:>5}: perplexity {perplexity[mode]:.3f}, the geometric mean over {len(texts)} texts")
+            print(f"{mode:>8}: perplexity {perplexity[mode]:.3f}, the geometric mean over {len(texts)} texts")
         del llm
 
     if "none" not in tokens:
@@ -104,7 +107,7 @@ def main() -> None:
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(base, tokens[mode])]
         identical = sum(a == b for a, b in zip(base, tokens[mode]))
         print(
-            f"{mode:>5} vs bfloat16: {100 * same / total:.1f}% of tokens identical at the same position, "
+            f"{mode:>8} vs bfloat16: {100 * same / total:.1f}% of tokens identical at the same position, "
             f"{100 * sum(prefix) / total:.1f}% before the first difference, {identical}/{len(base)} completions "
             f"identical; perplexity {perplexity[mode]:.3f} vs {perplexity['none']:.3f} "
             f"({100 * (perplexity[mode] / perplexity['none'] - 1):+.2f}%)"

@@ -51,6 +51,16 @@ class EngineSettings(BaseModel):
         metavar="SIZE",
     )
 
+    kv_cache_dtype: Literal["auto", "int8"] = setting(
+        "auto",
+        "the KV cache's dtype: auto, the model's; int8 rounds each token's key and value rows per head to int8 "
+        "with a float32 scale each, about half the bytes of bfloat16: twice the tokens in kv_cache_memory, and "
+        "faster decoding of many or long sequences, whose attention reads the cache at memory speed; greedy "
+        "outputs agree with the model's dtype's closely but not exactly (docs/BENCHMARKS.md); servelm's CPU "
+        "kernels read it in place with a bfloat16 model on AVX512-BF16 CPUs, other setups through PyTorch",
+        group="engine",
+    )
+
     block_size: int = setting(16, "tokens per KV cache block, a power of two", group="engine", metavar="N")
 
     enable_prefix_caching: bool = setting(
@@ -156,6 +166,7 @@ class EngineSettings(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             kv_cache_memory=self.kv_cache_memory,
+            kv_cache_dtype=self.kv_cache_dtype,
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
             quantization=self.quantization,

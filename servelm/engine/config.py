@@ -7,6 +7,8 @@ from dataclasses import dataclass
 # none; int8: weight-only (servelm/models/quantization.py); w8a8: int8 weights and activations
 # (servelm/models/w8a8.py). Both CPU only.
 QUANTIZATIONS = ("none", "int8", "w8a8")
+# The KV cache's dtype: auto, the model's; int8, rows rounded to int8 with a scale each (engine/kv_cache.py).
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass
@@ -25,6 +27,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own context length
     kv_cache_memory: int | float = 1 << 30
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     enable_prefix_caching: bool = True
     seed: int = 0
     quantization: str = "none"  # one of QUANTIZATIONS
@@ -51,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.cpu_matmul not in ("auto", "onednn", "pairs"):
             raise ValueError(f"cpu_matmul must be auto, onednn or pairs, got {self.cpu_matmul!r}")
         if isinstance(self.kv_cache_memory, int) and self.kv_cache_memory <= 0:

@@ -20,7 +20,7 @@ from servelm.engine.config import EngineConfig
 from servelm.engine.cuda_graphs import DecodeGraphs
 from servelm.engine.device import resolve_device, resolve_dtype
 from servelm.engine.flat_batch import Chunk, FlatBatch, flatten
-from servelm.engine.kv_cache import allocate_kv_caches, kv_block_bytes
+from servelm.engine.kv_cache import allocate_kv_caches, kv_block_bytes, kv_dtype
 from servelm.engine.sample_isolation import sample_isolated
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -78,6 +78,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)
         if self.device.type == "cpu":
             keep_freed_memory()
             cpu_kernels()  # build them now (once per machine), not in the first step
@@ -99,7 +100,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         graphs = self.device.type == "cuda" and config.cuda_graphs
         # With CUDA graphs, one block more than the block manager hands out: the padding rows' scratch block.
-        self.kv_caches = allocate_kv_caches(mc, self.num_blocks + graphs, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(mc, self.num_blocks + graphs, self.block_size, self.kv_dtype, self.device)
         self.graphs: DecodeGraphs | None = None
         if graphs:
             recorder = DecodeGraphs(
@@ -112,9 +113,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             heap_only()  # the weights and the KV cache are in place: steps reuse what they free
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens in %s (%.1f MiB)",
             self.num_blocks,
             self.block_size,
+            str(self.kv_dtype).removeprefix("torch."),
             self.num_blocks * self.block_bytes / 2**20,
         )
 
@@ -122,7 +124,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes one KV block takes: the target's K/V, and the draft model's beside them."""
         draft = self.draft.block_bytes(self.block_size) if self.draft is not None else 0
-        return kv_block_bytes(self.model_config, self.block_size, self.dtype) + draft
+        return kv_block_bytes(self.model_config, self.block_size, self.kv_dtype) + draft
 
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory

@@ -14,6 +14,9 @@
   a step's K/V rows into their cache slots; and the sampler's one pass over
   each row of logits (its largest value, where, and the log-softmax's
   logsum) instead of a whole log-softmax written out.
+- ``kv_int8.c``: the int8 KV cache (``--kv-cache-dtype int8``): rounding a
+  step's K/V rows into it, and decode attention over it (prefill's is in
+  paged_attention.c), reading half the bytes of a bfloat16 cache.
 - ``attention_amx.c``: attention's scores (q . k) on AMX tiles where the
   CPU has them, for decoding (a 16-token cache block at a time) and prefill;
   paged_attention.c's bfloat16 kernels ask it first.
@@ -61,6 +64,7 @@ __all__ = [
     "LinearWeights",
     "OneTokenDecoder",
     "cpu_kernels",
+    "for_cache",
     "for_tensors",
     "reference_decode_attention",
 ]
@@ -88,3 +92,12 @@ def for_tensors(*tensors: torch.Tensor) -> CpuKernels | None:
         return None
     native = cpu_kernels()
     return native if native is not None and native.supports(*tensors) else None
+
+
+def for_cache(x: torch.Tensor, kv_cache: torch.Tensor) -> CpuKernels | None:
+    """The kernels if they are built and their attention ops take ``x`` with ``kv_cache``
+    (``CpuKernels.supports_cache``), else None."""
+    if x.device.type != "cpu":
+        return None
+    native = cpu_kernels()
+    return native if native is not None and native.supports_cache(x, kv_cache) else None

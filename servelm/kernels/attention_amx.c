@@ -8,12 +8,17 @@
  * (one 16-slot cache block's rows, KVH * D apart) times the query heads' same 32 dims in pairs (the tile unit's
  * layout, built once per KV head) gives 16 keys x 16 query heads (G used) in float32, added over D / 32 such
  * products: exact bfloat16 products summed in float32, as the AVX512-BF16 loop does, in another order. Each
- * query head's 16 scores are then gathered out of the tile's columns into its row of scores. Built at first
- * use by servelm/kernels. */
+ * query head's 16 scores are then gathered out of the tile's columns into its row of scores.
+ *
+ * Decode over an int8 cache (attention.h's rows): the query heads are rounded to int8 too, one scale each, and
+ * a tile of 16 keys x 64 dims, straight from the cache block, times them gives int32 sums (tdpbssd) that
+ * the keys' and the query heads' scales bring back to scores. No bfloat16 copy of the keys is made. Built at
+ * first use by servelm/kernels. */
 #include <stdint.h>
 #include <string.h>
 
 #include "amx.h"
+#include "bf16.h"
 #include "kernels.h"
 
 #ifdef KERNELS_AMX
@@ -110,6 +115,71 @@ int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, co
     return 1;
 #else
     (void)qrows, (void)rows, (void)D, (void)kts, (void)chunks, (void)scale, (void)scores, (void)stride, (void)qbuf;
+    return 0;
+#endif
+}
+
+int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const int8_t *k_cache, int64_t KVH,
+                           int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
+                           float *scores) {
+#ifdef KERNELS_AMX
+    if (!enabled || G > 16 || D % 64 || D > 256 || block_size % 16 || !amx_granted()) return 0;
+    /* q_quads[c][p][r]: dims 64c + 4p .. 4p + 3 of query head r rounded to int8 (zero past G), as 32-bit words */
+    uint32_t q_quads[4][16][16] __attribute__((aligned(64)));
+    int32_t tile[16][16] __attribute__((aligned(64))); /* [key][query head] */
+    float q_scale[16];
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    const int64_t chunks = D / 64, row = D + 4, key_stride = KVH * row; /* bytes between a block's rows */
+    const __m512i scale_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32((int)key_stride));
+    amx_configure();
+    for (int64_t hh = 0; hh < rows / G; hh++) {
+        memset(q_quads, 0, (size_t)chunks * sizeof q_quads[0]);
+        for (int64_t r = 0; r < G; r++) { /* as write_kv_int8 rounds a row */
+            const uint16_t *qr = q + (hh * G + r) * D;
+            __m512 top = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) top = _mm512_max_ps(top, _mm512_abs_ps(widen16(qr + d)));
+            const float most = _mm512_reduce_max_ps(top), inv = most > 0.f ? 127.f / most : 0.f;
+            q_scale[r] = scale * most / 127.f;
+            for (int64_t d = 0; d < D; d += 16) { /* 16 dims: 4 words of 4, rows 4 apart in q_quads[d / 64] */
+                uint32_t words[4];
+                _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
+                                                       _mm512_mul_ps(widen16(qr + d), _mm512_set1_ps(inv)))));
+                for (int w = 0; w < 4; w++) q_quads[d / 64][(d % 64) / 4 + w][r] = words[w];
+            }
+        }
+        const int8_t *k_head = k_cache + (h0 + hh) * row;
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+            const int8_t *keys = k_head + (table[t0 / block_size] * block_size + t0 % block_size) * key_stride;
+            if (t0 + 32 < len) { /* the rows two blocks on, scattered where the hardware prefetcher cannot follow */
+                const char *next = (const char *)(k_head + (table[(t0 + 32) / block_size] * block_size +
+                                                            (t0 + 32) % block_size) * key_stride);
+                for (int i = 0; i < 16; i++)
+                    for (int64_t b = 0; b < row; b += 64) _mm_prefetch(next + i * key_stride + b, _MM_HINT_T0);
+            }
+            _tile_zero(0);
+            for (int64_t c = 0; c < chunks; c++) {
+                _tile_loadd(1, keys + 64 * c, key_stride);
+                _tile_loadd(2, q_quads[c], 64);
+                _tile_dpbssd(0, 1, 2);
+            }
+            _tile_stored(0, tile, 64);
+            /* Rows past len (the block's unused slots, stale) are in the tile, never stored. */
+            const __mmask16 valid = len - t0 >= 16 ? 0xffff : (__mmask16)((1u << (len - t0)) - 1);
+            const __m512 k_scale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, scale_at, keys + D, 1);
+            for (int64_t r = 0; r < G; r++) {
+                const __m512i s = _mm512_i32gather_epi32(_mm512_add_epi32(column, _mm512_set1_epi32((int)r)), tile, 4);
+                _mm512_mask_storeu_ps(scores + (hh * G + r) * len + t0, valid,
+                                      _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(k_scale, _mm512_set1_ps(q_scale[r]))));
+            }
+        }
+    }
+    _tile_release();
+    return 1;
+#else
+    (void)q, (void)rows, (void)G, (void)D, (void)k_cache, (void)KVH, (void)h0, (void)table, (void)block_size,
+        (void)len, (void)scale, (void)scores;
     return 0;
 #endif
 }

@@ -15,11 +15,22 @@ void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
 void paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                       const int64_t *tables, int64_t max_blocks, const int64_t *lens, float *out, int64_t B, int64_t H,
                       int64_t KVH, int64_t D, int64_t block_size, float scale, int nthreads);
-/* 0 where it does not run (no AVX512-BF16, D not a multiple of 64): out is then untouched. */
-int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+/* 0 where it does not run (no AVX512-BF16, D not a multiple of 64): out is then untouched. The cache is
+ * bfloat16, or int8 (kv_int8, rows as attention.h lays them out). */
+int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_int8,
                        const int64_t *tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
                        const int64_t *ctx_lens, int64_t S, uint16_t *out, int64_t H, int64_t KVH, int64_t D,
                        int64_t block_size, float scale, int nthreads);
+
+/* kv_int8.c: the int8 KV cache, rows as attention.h lays them out (D int8, then a float32 scale).
+ * write_kv_int8: token t's rows of key and value (D values per KV head, bfloat16 where x_bf16, else float32;
+ * token t at key + t * stride elements) rounded into slot slots[t] of each cache. paged_decode_int8:
+ * paged_decode_bf16 over such a cache; 0 where it does not run (no AVX512-BF16, D not a multiple of 64). */
+void write_kv_int8(int8_t *k_cache, int8_t *v_cache, const void *key, const void *value, int x_bf16, int64_t stride,
+                   const int64_t *slots, int64_t tokens, int64_t KVH, int64_t D, int nthreads);
+int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
+                      const int64_t *tables, int64_t max_blocks, const int64_t *lens, uint16_t *out, int64_t B,
+                      int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int nthreads);
 
 /* attention_amx.c: one sequence's decode scores (the rows query heads at q, G per KV head from h0) on AMX
  * tiles, into scores[r * len + t], scaled; 0 where it does not run (no AMX, block_size not a multiple of 16, D
@@ -35,6 +46,11 @@ int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, co
                        float scale, float *scores, int64_t stride, uint16_t *qbuf);
 int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
                       int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale, float *scores);
+/* The same over an int8 cache (kv_int8.c), D a multiple of 64: the query heads rounded to int8 as the cache's
+ * rows are, int8 products summed in int32 (tdpbssd), both scales applied. */
+int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const int8_t *k_cache, int64_t KVH,
+                           int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
+                           float *scores);
 
 /* fused_ops.c */
 void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t rows,

@@ -84,16 +84,27 @@ class CpuKernels:
         dtype = tensors[0].dtype
         return dtype in _DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
 
+    @staticmethod
+    def supports_cache(x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether the attention ops take ``x`` (queries, or keys to write) with ``kv_cache``: as ``supports``,
+        or an int8 cache (``layers.kv_int8``) with bfloat16 ``x``."""
+        if kv_cache.dtype == torch.int8:
+            return x.dtype == torch.bfloat16 and x.device.type == kv_cache.device.type == "cpu"
+        return CpuKernels.supports(x, kv_cache)
+
     def decode_attention(
         self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """One query token per sequence over the paged cache.
 
         ``query`` ``[B, H, D]`` (each token's heads contiguous; the token axis
         may be strided, as in a view of the fused QKV output); ``kv_cache``
-        ``[2, blocks, block_size, KVH, D]`` contiguous; ``block_tables``
+        ``[2, blocks, block_size, KVH, D]`` contiguous, of the query's dtype,
+        or int8 (``[..., D + 4]``, ``layers.kv_int8``); ``block_tables``
         ``[B, max_blocks]`` int64; ``lens`` ``[B]`` int64, each in
-        ``[1, max_blocks * block_size]``. Returns ``[B, H, D]`` contiguous.
+        ``[1, max_blocks * block_size]``. Returns ``[B, H, D]`` contiguous;
+        None where an int8 cache's kernel does not run (a float32 query, no
+        AVX512-BF16, D not a multiple of 64).
         """
         return self._decode_attention(query, kv_cache, block_tables, lens, scale)
 
@@ -106,8 +117,9 @@ class CpuKernels:
         scale: float,
         out: torch.Tensor,
     ) -> bool:
-        """Causal attention of prefilling sequences over the cache, into ``out``; False where the kernel does
-        not apply (not bfloat16, no AVX512-BF16, head dims not a multiple of 64): ``out`` is then untouched.
+        """Causal attention of prefilling sequences over the cache (of the query's dtype, or int8), into
+        ``out``; False where the kernel does not apply (not bfloat16, no AVX512-BF16, head dims not a multiple
+        of 64): ``out`` is then untouched.
 
         ``query`` ``[T, H, D]`` holds the sequences' new tokens one after the other (each token's heads
         contiguous; the token axis may be strided); their K/V are already in ``kv_cache``. ``seq_lens``
@@ -120,7 +132,8 @@ class CpuKernels:
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """``kv_cache[0]``'s and ``kv_cache[1]``'s flat slot ``slots[t]`` = token t's ``key`` and ``value``
         ``[T, kv_heads, head_dim]`` (each token's heads contiguous; the token axis may be strided, as in views
-        of the fused QKV output, the same for both), as ``attention.write_kv_cache`` does."""
+        of the fused QKV output, the same for both), as ``attention.write_kv_cache`` does; into an int8 cache,
+        each row rounded as ``layers.kv_int8.quantize_rows`` does."""
         self._write_kv(kv_cache, key, value, slots)
 
     def rms_norm(

@@ -12,13 +12,9 @@
 #include <string.h>
 #include <math.h>
 
-#include "bf16.h"
+#include "attention.h"
 #include "kernels.h"
 #include "vexp.h"
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define ATTENTION_AVX512BF16 1 /* bf16.h brings immintrin.h */
-#endif
 
 /* Blocks are scattered through the cache, where the hardware prefetcher cannot
  * follow; on entering block i of a table, ask for block i + 1. */
@@ -64,82 +60,31 @@ static inline __attribute__((always_inline)) __m512 dot_bf16(const uint16_t *a, 
     return s;
 }
 
-/* rows[t] = base + (token t's cache slot) * row_elems for t < len, walking the table's blocks in order (a
- * division per token cost as much as the arithmetic it fed). */
-static void row_pointers(const uint16_t *base, const int64_t *table, int64_t len, int64_t block_size,
-                         int64_t row_elems, const uint16_t **rows) {
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
-        const uint16_t *block = base + table[b] * block_size * row_elems;
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        for (int64_t i = 0; i < n; i++) rows[t0 + i] = block + i * row_elems;
-    }
-}
-
-/* Each of rows[0..len)'s first `bytes` into L2: blocks are scattered, where the hardware prefetcher
- * cannot run ahead. */
-static inline void prefetch_rows(const uint16_t **rows, int64_t len, int64_t bytes) {
-    for (int64_t t = 0; t < len; t++)
-        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)rows[t] + o, _MM_HINT_T1);
-}
-
-/* acc (ROWS query heads x 64 dims, in registers) = sum over t < len of p[r * p_stride + t] * v_t, for the 64
- * dims at v_rows[t]; row r is stored at out + r * out_stride. */
-static inline __attribute__((always_inline)) void weighted_rows(const float *p, int64_t len, int64_t p_stride,
-                                                               const uint16_t **v_rows, int ROWS, uint16_t *out,
-                                                               int64_t out_stride) {
-    __m512 acc[4][4];
-    for (int r = 0; r < ROWS; r++)
-        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t++) {
-        __m512 v[4];
-        for (int i = 0; i < 4; i++) v[i] = widen16(v_rows[t] + 16 * i);
-        for (int r = 0; r < ROWS; r++) {
-            const __m512 w = _mm512_set1_ps(p[r * p_stride + t]);
-            for (int i = 0; i < 4; i++) acc[r][i] = _mm512_fmadd_ps(w, v[i], acc[r][i]);
-        }
-    }
-    for (int r = 0; r < ROWS; r++)
-        for (int i = 0; i < 4; i++)
-            _mm256_storeu_si256((__m256i *)(out + r * out_stride + 16 * i), (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
-}
-
-/* weighted_rows for a run-time count of rows (1..4): query heads of one token, D apart. */
-static void weighted_heads(const float *p, int64_t len, int64_t p_stride, const uint16_t **v_rows, int64_t rows,
-                           uint16_t *out, int64_t D) {
-    switch (rows) {
-        case 1: weighted_rows(p, len, p_stride, v_rows, 1, out, D); break;
-        case 2: weighted_rows(p, len, p_stride, v_rows, 2, out, D); break;
-        case 3: weighted_rows(p, len, p_stride, v_rows, 3, out, D); break;
-        default: weighted_rows(p, len, p_stride, v_rows, 4, out, D); break;
-    }
-}
-
 /* scores[r * len + t] = scale * (q_r . k_t) for rows query heads (contiguous at q) against the keys at
  * keys[t] (the item's first KV head; query head r reads KV head r / G), sixteen keys at a time. D is a
  * constant where this is inlined for 64-dim heads. */
 static inline __attribute__((always_inline)) void scores_rows(const uint16_t *q, int64_t rows, int64_t G, int64_t D,
-                                                             const uint16_t **keys, int64_t len, float scale,
+                                                             const void **keys, int64_t len, float scale,
                                                              float *scores) {
     int64_t t0 = 0;
     for (; t0 + 16 <= len; t0 += 16)
         for (int64_t r = 0; r < rows; r++) {
             __m512 parts[16];
-            for (int j = 0; j < 16; j++) parts[j] = dot_bf16(q + r * D, keys[t0 + j] + (r / G) * D, D);
+            for (int j = 0; j < 16; j++) parts[j] = dot_bf16(q + r * D, (const uint16_t *)keys[t0 + j] + (r / G) * D, D);
             _mm512_storeu_ps(scores + r * len + t0, _mm512_mul_ps(lane_sums16(parts), _mm512_set1_ps(scale)));
         }
     for (; t0 < len; t0++)
         for (int64_t r = 0; r < rows; r++)
-            scores[r * len + t0] = scale * _mm512_reduce_add_ps(dot_bf16(q + r * D, keys[t0] + (r / G) * D, D));
+            scores[r * len + t0] = scale * _mm512_reduce_add_ps(dot_bf16(q + r * D, (const uint16_t *)keys[t0] + (r / G) * D, D));
 }
 
-/* The item's scores: its query heads (contiguous at q) against its KV heads from h0. keys: room for len
- * pointers. */
-static int scores_bf16(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
+/* The item's scores: its query heads (contiguous at q) against its KV heads from h0 (attention.h). */
+int decode_scores_bf16(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
                        int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
-                       float *scores, const uint16_t **keys) {
+                       float *scores, const void **keys) {
     if (D % 32) return 0;
     if (decode_scores_amx(q, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores)) return 1;
-    row_pointers(k_cache + h0 * D, table, len, block_size, KVH * D, keys);
+    row_pointers(k_cache + h0 * D, table, len, block_size, KVH * D * (int64_t)sizeof(uint16_t), keys);
     prefetch_rows(keys, len, rows / G * D * (int64_t)sizeof(uint16_t)); /* all of the item's heads, first */
     if (D == 64)
         scores_rows(q, rows, G, 64, keys, len, scale, scores);
@@ -152,23 +97,24 @@ static int scores_bf16(const uint16_t *q, int64_t rows, int64_t G, int64_t D, co
  * bfloat16; each V row is widened once for all the query heads that read it. v_rows: room for len pointers. */
 static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const uint16_t *v_cache, int64_t KVH,
                        int64_t h0, const int64_t *table, int64_t block_size, int64_t len, uint16_t *out,
-                       const uint16_t **v_rows) {
+                       const void **v_rows) {
     if (D % 64) return 0;
     for (int64_t h = 0; h < rows / G; h++)
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            row_pointers(v_cache + (h0 + h) * D + d0, table, len, block_size, KVH * D, v_rows);
+            row_pointers(v_cache + (h0 + h) * D + d0, table, len, block_size, KVH * D * (int64_t)sizeof(uint16_t),
+                         v_rows);
             prefetch_rows(v_rows, len, 64 * (int64_t)sizeof(uint16_t));
             for (int64_t r0 = 0; r0 < G; r0 += 4) { /* up to 4 query heads x 64 dims: 16 accumulators */
                 const float *pr = p + (h * G + r0) * len;
                 uint16_t *o = out + (h * G + r0) * D + d0;
-                weighted_heads(pr, len, len, v_rows, G - r0 < 4 ? G - r0 : 4, o, D);
+                weighted_heads(pr, len, len, v_rows, G - r0 < 4 ? G - r0 : 4, 0, o, D);
             }
         }
     return 1;
 }
 
 #else
-#define scores_bf16(...) 0
+#define decode_scores_bf16(...) 0
 #define values_bf16(...) 0
 #endif
 
@@ -199,9 +145,9 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
     /* one workspace per thread, for its longest item: malloc per item cost more than short items \
      * themselves */                                                                              \
     float *qf = malloc(sizeof(float) * (size_t)(rows * D * 2 + rows * longest) +                  \
-                       sizeof(const T *) * (size_t)longest);                                      \
+                       sizeof(const void *) * (size_t)longest);                                   \
     float *acc = qf + rows * D, *scores = acc + rows * D;                                         \
-    const T **row_at = (const T **)(scores + rows * longest);                                     \
+    const void **row_at = (const void **)(scores + rows * longest);                               \
     _Pragma("omp for schedule(dynamic)")                                                          \
     for (int64_t item = 0; item < B * split; item++) {                                            \
         const int64_t b = item / split, h0 = (item % split) * heads;                              \
@@ -257,7 +203,7 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
     }                                                                                             \
 }
 
-DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16, scores_bf16, values_bf16)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16, decode_scores_bf16, values_bf16)
 DEFINE_DECODE(paged_decode_f32, float, f32_identity, f32_identity, scores_none, values_none)
 
 /* Prefill attention over the paged KV cache, bfloat16, for AVX512-BF16 CPUs.
@@ -276,8 +222,11 @@ DEFINE_DECODE(paged_decode_f32, float, f32_identity, f32_identity, scores_none, 
  * scores are summed PREFILL_ROWS query rows at a time against each chunk of
  * 16 keys (one load of the keys serves them all), then softmaxed in float32
  * per row over the keys the row sees, then each token's heads sum the V
- * rows as the decode kernel does. Returns 0 where it does not apply (the
- * caller then runs PyTorch's path): no AVX512-BF16, or D not a multiple of 64. */
+ * rows as the decode kernel does. An int8 cache (kv_int8, attention.h's rows)
+ * has its keys transposed as bfloat16 integers, their scales applied to the
+ * scores, and the values' scales to the weights. Returns 0 where it does not
+ * apply (the caller then runs PyTorch's path): no AVX512-BF16, or D not a
+ * multiple of 64. */
 #ifdef ATTENTION_AVX512BF16
 #define PREFILL_ROWS 8 /* query rows whose scores stay in registers over a chunk */
 
@@ -305,12 +254,12 @@ static void rows_scores(const uint32_t *kt, const uint32_t *const *q, int64_t ro
     }
 }
 
-int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_int8,
                        const int64_t *tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
                        const int64_t *ctx_lens, int64_t S, uint16_t *out, int64_t H, int64_t KVH, int64_t D,
                        int64_t block_size, float scale, int nthreads) {
     if (D % 64) return 0;
-    const int64_t G = H / KVH, pairs = D / 2;
+    const int64_t G = H / KVH, pairs = D / 2, row_bytes = kv_row_bytes(D, kv_int8);
     const int64_t tokens = G >= 24 ? 1 : 24 / G; /* a tile's tokens: up to 24 query rows */
     /* where each (sequence, KV head)'s transposed keys start, and each sequence's first work item */
     int64_t *kt_at = malloc(sizeof(int64_t) * (size_t)(S + 1) * 2), *item_at = kt_at + S + 1;
@@ -320,31 +269,40 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
         item_at[s + 1] = item_at[s] + (q_lens[s] + tokens - 1) / tokens * KVH;
     }
     uint32_t *kt = malloc(sizeof(uint32_t) * (size_t)kt_at[S]);
+    float *k_scales = kv_int8 ? malloc(sizeof(float) * (size_t)(kt_at[S] / pairs)) : NULL; /* per transposed key */
     int64_t longest = 1; /* context */
     for (int64_t s = 0; s < S; s++) longest = ctx_lens[s] > longest ? ctx_lens[s] : longest;
     const int64_t most_rows = (tokens * G + 15) / 16 * 16, widest = (longest + 15) / 16 * 16; /* 16s: AMX tiles */
     _Pragma("omp parallel num_threads(nthreads)") {
         /* one workspace per thread, for the largest item: a malloc per item cost more than small items */
-        float *scores = malloc(sizeof(float) * (size_t)(most_rows * widest) +
+        float *scores = malloc(sizeof(float) * (size_t)(most_rows * widest + longest) +
                                sizeof(void *) * (size_t)(most_rows + longest) +
-                               sizeof(uint16_t) * (size_t)(most_rows * D));
+                               sizeof(uint16_t) * (size_t)(most_rows * D + D)); /* and the values' scales last */
         const uint32_t **qrows = (const uint32_t **)(scores + most_rows * widest);
-        const uint16_t **rows_at = (const uint16_t **)(qrows + most_rows); /* K rows, then V rows */
+        const void **rows_at = (const void **)(qrows + most_rows); /* K rows, then V rows */
         uint16_t *qbuf = (uint16_t *)(rows_at + longest); /* the item's query rows, for AMX tiles */
+        uint16_t *key_bf16 = qbuf + most_rows * D;        /* an int8 key row widened */
+        float *v_scales = (float *)(key_bf16 + D);         /* an int8 head's values' scales */
         _Pragma("omp for schedule(dynamic)")
         for (int64_t sh = 0; sh < S * KVH; sh++) {
             const int64_t s = sh / KVH, h = sh % KVH, ctx = ctx_lens[s], padded = (ctx + 15) / 16 * 16;
             uint32_t *dst = kt + kt_at[s] + h * padded * pairs;
-            const uint16_t **keys = rows_at;
-            row_pointers(k_cache + h * D, tables + s * max_blocks, ctx, block_size, KVH * D, keys);
+            const void **keys = rows_at;
+            row_pointers((const char *)k_cache + h * row_bytes, tables + s * max_blocks, ctx, block_size,
+                         KVH * row_bytes, keys);
             for (int64_t t = 0; t < padded; t++) {
                 uint32_t *col = dst + (t / 16) * pairs * 16 + t % 16;
-                if (t < ctx) { /* a stale slot past the context would bring its NaN into the chunk's sums */
-                    const uint32_t *key = (const uint32_t *)keys[t];
+                if (t >= ctx) { /* a stale slot past the context would bring its NaN into the chunk's sums */
+                    for (int64_t p = 0; p < pairs; p++) col[p * 16] = 0;
+                } else if (kv_int8) { /* the integers, exact in bfloat16; the scale goes to the scores */
+                    int8_to_bf16(keys[t], key_bf16, D);
+                    const uint32_t *key = (const uint32_t *)key_bf16;
                     for (int64_t p = 0; p < pairs; p++) col[p * 16] = key[p];
                 } else {
-                    for (int64_t p = 0; p < pairs; p++) col[p * 16] = 0;
+                    const uint32_t *key = keys[t];
+                    for (int64_t p = 0; p < pairs; p++) col[p * 16] = key[p];
                 }
+                if (kv_int8) k_scales[kt_at[s] / pairs + h * padded + t] = t < ctx ? int8_row_scale(keys[t], D) : 0.f;
             }
         }
         _Pragma("omp for schedule(dynamic)")
@@ -357,7 +315,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
             const int64_t pos0 = ctx - q_lens[s] + first; /* the tile's first token's position */
             const int64_t keys = pos0 + n, stride = (keys + 15) / 16 * 16;
             const uint32_t *kts = kt + kt_at[s] + h * padded * pairs;
-            const uint16_t **v_rows = rows_at;
+            const void **v_rows = rows_at;
             for (int64_t r = 0; r < rows; r++) /* row r: token r / G, head h * G + r % G */
                 qrows[r] = (const uint32_t *)(q + (q_starts[s] + first + r / G) * q_stride + (h * G + r % G) * D);
             if (!prefill_scores_amx(qrows, rows, D, kts, stride / 16, scale, scores, stride, qbuf))
@@ -365,24 +323,31 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
                 for (int64_t r0 = 0; r0 < rows; r0 += PREFILL_ROWS)
                     rows_scores(kts + c * pairs * 16, qrows + r0, rows - r0 < PREFILL_ROWS ? rows - r0 : PREFILL_ROWS,
                                 pairs, scale, scores + r0 * stride + c * 16, stride);
+            if (kv_int8) scale_columns(scores, rows, stride, k_scales + kt_at[s] / pairs + h * padded, keys);
             for (int64_t r = 0; r < rows; r++) softmax_(scores + r * stride, pos0 + r / G + 1); /* keys it sees */
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                row_pointers(v_cache + h * D + d0, tables + s * max_blocks, keys, block_size, KVH * D, v_rows);
+                row_pointers((const char *)v_cache + h * row_bytes + d0 * (kv_int8 ? 1 : 2), tables + s * max_blocks,
+                             keys, block_size, KVH * row_bytes, v_rows);
+                if (kv_int8 && d0 == 0) { /* the values' scales to their weights, once */
+                    row_scales(v_rows, keys, D, v_scales);
+                    scale_columns(scores, rows, stride, v_scales, keys);
+                }
                 for (int64_t i = 0; i < n; i++)
                     for (int64_t g0 = 0; g0 < G; g0 += 4)
                         weighted_heads(scores + (i * G + g0) * stride, pos0 + i + 1, stride, v_rows,
-                                       G - g0 < 4 ? G - g0 : 4,
+                                       G - g0 < 4 ? G - g0 : 4, kv_int8,
                                        out + ((q_starts[s] + first + i) * H + h * G + g0) * D + d0, D);
             }
         }
         free(scores);
     }
     free(kt);
+    free(k_scales);
     free(kt_at);
     return 1;
 }
 #else
-int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_int8,
                        const int64_t *tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
                        const int64_t *ctx_lens, int64_t S, uint16_t *out, int64_t H, int64_t KVH, int64_t D,
                        int64_t block_size, float scale, int nthreads) {

@@ -105,6 +105,7 @@ def self_check(kernels: CpuKernels) -> None:
                 raise RuntimeError(f"{name} in {dtype} differs from PyTorch's in shape: {tuple(got.shape)}")
             if not torch.allclose(got, expected.double(), atol=tol, rtol=tol):
                 raise RuntimeError(f"{name} in {dtype} differs from PyTorch's by {(got - expected).abs().max():.3g}")
+    _check_int8_cache(kernels, gen)
 
 
 def _check_prefill(kernels: CpuKernels, gen: torch.Generator) -> None:
@@ -122,6 +123,40 @@ def _check_prefill(kernels: CpuKernels, gen: torch.Generator) -> None:
     if not torch.allclose(out.double(), expected, atol=3e-2, rtol=3e-2):
         error = (out.double() - expected).abs().max()
         raise RuntimeError(f"prefill_attention in torch.bfloat16 differs from PyTorch's by {error:.3g}")
+
+
+def _check_int8_cache(kernels: CpuKernels, gen: torch.Generator) -> None:
+    """The int8 cache's kernels where they run (bfloat16 queries, 64-dim heads): rows written as PyTorch
+    rounds them (to a step), decode and prefill attention over them."""
+    from servelm.layers.kv_int8 import dequantize_rows, quantize_rows  # layers import kernels: not at the top
+
+    cache = quantize_rows(torch.randn(2, 6, 4, 2, 64, generator=gen))
+    tables, lens = torch.tensor([[5, 1, 3], [0, 2, 4]]), torch.tensor([11, 3])
+    query = torch.randn(2, 6, 64, generator=gen).to(torch.bfloat16)
+    got = kernels.decode_attention(query, cache, tables, lens, 0.125)
+    if got is None:
+        return
+    values = dequantize_rows(cache, torch.float64)
+    expected = reference_decode_attention(query, values, tables, lens, 0.125)
+    out = query.new_zeros(3, 6, 64)
+    kernels.prefill_attention(
+        query[:1, :, :].expand(3, 6, 64), cache, tables[:1], torch.tensor([[0], [3], [11]]), 0.125, out
+    )
+    prefill_expected = reference_decode_attention(
+        query[:1].expand(3, 6, 64), values, tables[[0, 0, 0]], torch.tensor([9, 10, 11]), 0.125
+    )
+    written = torch.zeros_like(cache)
+    key = torch.randn(3, 2, 64, generator=gen).to(torch.bfloat16)
+    kernels.write_kv(written, key, key, torch.tensor([5, 0, 2]))
+    rounded = written.view(2, -1, 2, 68)[0, [5, 0, 2]]
+    for name, result, expect, tol in (
+        ("decode_attention", got, expected, 3e-2),
+        ("prefill_attention", out, prefill_expected, 3e-2),
+        ("write_kv", dequantize_rows(rounded, torch.float64), dequantize_rows(quantize_rows(key), torch.float64), 3e-2),
+    ):
+        if not torch.allclose(result.double(), expect.double(), atol=tol, rtol=tol):
+            error = (result.double() - expect.double()).abs().max()
+            raise RuntimeError(f"{name} over an int8 cache differs from PyTorch's by {error:.3g}")
 
 
 def _log_softmax_of(kernels: CpuKernels, logits: torch.Tensor) -> torch.Tensor:

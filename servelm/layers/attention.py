@@ -4,6 +4,7 @@ KV cache layout, one tensor per layer:
     [2, num_blocks, block_size, num_kv_heads, head_dim]   (0: keys, 1: values)
 Token t of a sequence lives in block ``block_table[t // block_size]`` at
 offset ``t % block_size``; its flat slot is ``block * block_size + offset``.
+An int8 cache (``kv_int8``) holds each head's row as ``head_dim + 4`` bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm import kernels
+from servelm.layers.kv_int8 import dequantize_rows, quantize_rows
 
 
 @dataclass
@@ -50,18 +52,22 @@ class AttentionMetadata:
 
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
-    native = kernels.for_tensors(kv_cache, key, value)
+    native = kernels.for_cache(key, kv_cache)
     if native and key.stride()[1:] == (key.shape[2], 1) and value.stride() == key.stride():
         native.write_kv(kv_cache, key, value, slot_mapping)
         return
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    if kv_cache.dtype == torch.int8:
+        key, value = quantize_rows(key), quantize_rows(value)
+    num_kv_heads, row = kv_cache.shape[-2:]
     # kv_cache[i] of a contiguous cache is contiguous, so the flat view aliases the cache.
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    kv_cache[0].view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the first ``max_len`` tokens of each block table.
+def gather_kv(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the first ``max_len`` tokens of each block table, in ``dtype``.
 
     Two ``[num_seqs, max_len, kv_heads, head_dim]`` copies; positions past a
     sequence's own length hold whatever its padding blocks hold.
@@ -75,6 +81,8 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) 
     flat = tables.reshape(-1)
     keys = kv_cache[0].index_select(0, flat).view(shape)[:, :max_len]
     values = kv_cache[1].index_select(0, flat).view(shape)[:, :max_len]
+    if kv_cache.dtype == torch.int8:
+        return dequantize_rows(keys, dtype), dequantize_rows(values, dtype)
     return keys, values
 
 
@@ -97,7 +105,7 @@ def paged_attention(
         return _decode_attention(query, kv_cache, meta, scale)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     prefill_tokens = meta.num_prefill_tokens
-    native = kernels.for_tensors(query, kv_cache)
+    native = kernels.for_cache(query, kv_cache)
     tables = meta.block_tables[: meta.num_prefills]
     lens = meta.prefill_seq_lens() if native else None
     if not (native and native.prefill_attention(query[:prefill_tokens], kv_cache, tables, lens, scale, out)):
@@ -122,7 +130,7 @@ def _prefill_attention(query, key, value, kv_cache, meta: AttentionMetadata, sca
             # over a few less. The last block's tail is masked out, and zeroed so that no
             # stale NaN there could leak in through a zero weight.
             padded_len = -(-context_len // kv_cache.shape[2]) * kv_cache.shape[2]
-            keys, values = gather_kv(kv_cache, meta.block_tables[i : i + 1], padded_len)
+            keys, values = gather_kv(kv_cache, meta.block_tables[i : i + 1], padded_len, query.dtype)
             keys[:, context_len:] = 0
             values[:, context_len:] = 0
             group = query.shape[1] // kv_cache.shape[-2]
@@ -166,19 +174,20 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     """One query token per decode sequence.
 
     On CPU the native kernel reads the cache blocks in place; elsewhere (or
-    where it could not be built) the sequences' K/V are gathered and all of
-    them go through one SDPA call.
+    where it could not be built, or does not take an int8 cache) the
+    sequences' K/V are gathered and all of them go through one SDPA call.
     """
     context_lens = meta.context_lens[meta.num_prefills :]
     lens = meta.decode_lens
     if lens is None:
         lens = torch.tensor(context_lens, device=q.device)
     tables = meta.block_tables[meta.num_prefills :]
-    native = kernels.for_tensors(q, kv_cache)
-    if native:
-        return native.decode_attention(q, kv_cache, tables, lens, scale)
+    native = kernels.for_cache(q, kv_cache)
+    out = native.decode_attention(q, kv_cache, tables, lens, scale) if native else None
+    if out is not None:
+        return out
     mask = torch.arange(max(context_lens), device=q.device)[None, :] < lens[:, None]
-    keys, values = gather_kv(kv_cache, tables, mask.shape[1])
+    keys, values = gather_kv(kv_cache, tables, mask.shape[1], q.dtype)
     # A shorter sequence's keys past its length are stale slots: zeroed, so that a NaN
     # left there cannot leak in through its zero weight.
     stale = ~mask[:, :, None, None]

@@ -1,0 +1,114 @@
+/* What the attention kernels share: paged_attention.c (bfloat16 and float32 caches, decode and prefill) and
+ * kv_int8.c (the int8 cache).
+ *
+ * A row is one token's one KV head in the cache. In a bfloat16 cache it is D bfloat16; in an int8 cache
+ * (--kv-cache-dtype int8) D int8 values and then their float32 scale, D + 4 bytes: value d is
+ * row[d] * scale. Integers of int8's range are exact in bfloat16, so the kernels multiply the int8 values as
+ * bfloat16 and apply the scales to the sums: a key's scale to its scores, a value's to its weights. */
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define KV_INT8_SCALE_BYTES 4
+
+/* Bytes of a row of D values: int8 (with its scale) or bfloat16. */
+static inline int64_t kv_row_bytes(int64_t D, int int8) { return int8 ? D + KV_INT8_SCALE_BYTES : 2 * D; }
+
+/* The scale of the int8 row at row (D values). */
+static inline float int8_row_scale(const void *row, int64_t D) {
+    float s;
+    memcpy(&s, (const char *)row + D, sizeof s);
+    return s;
+}
+
+/* rows[t] = base + (token t's cache slot) * row_bytes for t < len, walking the table's blocks in order (a
+ * division per token cost as much as the arithmetic it fed). */
+static inline void row_pointers(const void *base, const int64_t *table, int64_t len, int64_t block_size,
+                                int64_t row_bytes, const void **rows) {
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
+        const char *block = (const char *)base + table[b] * block_size * row_bytes;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t i = 0; i < n; i++) rows[t0 + i] = block + i * row_bytes;
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define ATTENTION_AVX512BF16 1 /* bf16.h brings immintrin.h */
+
+/* Each of rows[0..len)'s first `bytes` into L2: blocks are scattered, where the hardware prefetcher
+ * cannot run ahead. */
+static inline void prefetch_rows(const void **rows, int64_t len, int64_t bytes) {
+    for (int64_t t = 0; t < len; t++)
+        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)rows[t] + o, _MM_HINT_T1);
+}
+
+/* 16 int8 widened to 16 float32 lanes. */
+static inline __m512 widen16_int8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* The D int8 values at src as bfloat16 at dst (exact: integers of int8's range; D a multiple of 32). */
+static inline void int8_to_bf16(const int8_t *src, uint16_t *dst, int64_t D) {
+    for (int64_t d = 0; d < D; d += 32)
+        _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(widen16_int8(src + d + 16), widen16_int8(src + d)));
+}
+
+/* acc (ROWS query heads x 64 dims, in registers) = sum over t < len of p[r * p_stride + t] * v_t, for the 64
+ * dims at v_rows[t] (bfloat16, or int8 where INT8: the weights then carry the rows' scales); row r is stored
+ * at out + r * out_stride. */
+static inline __attribute__((always_inline)) void weighted_rows(const float *p, int64_t len, int64_t p_stride,
+                                                               const void **v_rows, int ROWS, int INT8,
+                                                               uint16_t *out, int64_t out_stride) {
+    __m512 acc[4][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        __m512 v[4];
+        for (int i = 0; i < 4; i++)
+            v[i] = INT8 ? widen16_int8((const int8_t *)v_rows[t] + 16 * i) : widen16((const uint16_t *)v_rows[t] + 16 * i);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 w = _mm512_set1_ps(p[r * p_stride + t]);
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm512_fmadd_ps(w, v[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_si256((__m256i *)(out + r * out_stride + 16 * i), (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
+}
+
+/* weighted_rows for a run-time count of rows (1..4): query heads of one token, D apart. */
+static inline void weighted_heads(const float *p, int64_t len, int64_t p_stride, const void **v_rows, int64_t rows,
+                                  int int8, uint16_t *out, int64_t D) {
+#define WEIGHTED_CASE(n)                                                                           \
+    if (int8) weighted_rows(p, len, p_stride, v_rows, n, 1, out, D);                               \
+    else weighted_rows(p, len, p_stride, v_rows, n, 0, out, D);                                    \
+    break;
+    switch (rows) {
+        case 1: WEIGHTED_CASE(1)
+        case 2: WEIGHTED_CASE(2)
+        case 3: WEIGHTED_CASE(3)
+        default: WEIGHTED_CASE(4)
+    }
+#undef WEIGHTED_CASE
+}
+
+/* scales[t] = the scale of the int8 row at rows[t] (D values), for t < len. */
+static inline void row_scales(const void **rows, int64_t len, int64_t D, float *scales) {
+    for (int64_t t = 0; t < len; t++) scales[t] = int8_row_scale(rows[t], D);
+}
+
+/* p[r * stride + t] *= scales[t] for r < n, t < len: keys' scales to their scores, values' to their weights. */
+static inline void scale_columns(float *p, int64_t n, int64_t stride, const float *scales, int64_t len) {
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t t = 0; t < len; t++) p[r * stride + t] *= scales[t];
+}
+
+/* paged_attention.c's decode scores of one item (rows query heads at q, G per KV head, against the KV heads
+ * from h0 of a bfloat16 cache of KVH heads): scores[r * len + t] = scale * q_r . k_t, on AMX tiles where
+ * they run. keys: room for len pointers. 0 where D is not a multiple of 32. */
+int decode_scores_bf16(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
+                       int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
+                       float *scores, const void **keys);
+#endif
