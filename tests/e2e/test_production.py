@@ -24,7 +24,7 @@ from .conftest import CHAT_MODEL, server_process
 pytestmark = pytest.mark.model
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle on a stormy night."
-TIMEOUT = 120.0
+TIMEOUT = 300.0  # a safety net per request; nothing here waits on a clock
 # Every wait below ends on a state or an event; this only stops a hung test.
 SAFETY_NET_S = 300.0
 
