@@ -23,6 +23,26 @@
 
 #ifdef KERNELS_AMX
 static int enabled = 1;
+
+/* Ask for the 16 rows (bytes each, stride apart) of the cache block holding token t of a head whose token 0
+ * slot is at head: blocks are scattered, where the hardware prefetcher cannot follow. */
+static inline void prefetch_block(const void *head, const int64_t *table, int64_t t, int64_t block_size,
+                                  int64_t stride, int64_t bytes) {
+    const char *rows = (const char *)head + (table[t / block_size] * block_size + t % block_size) * stride;
+    for (int i = 0; i < 16; i++)
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(rows + i * stride + b, _MM_HINT_T0);
+}
+
+/* The tile's keys that are the sequence's (t0 + i < len): the rest are a block's unused slots, stale. */
+static inline __mmask16 valid_keys(int64_t t0, int64_t len) {
+    return len - t0 >= 16 ? 0xffff : (__mmask16)((1u << (len - t0)) - 1);
+}
+
+/* The indices of column r of a tile of 16 x 16 32-bit sums, for a gather: row i's at 16 i + r. */
+static inline __m512i tile_column(int64_t r) {
+    const __m512i rows = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_add_epi32(_mm512_mullo_epi32(rows, _mm512_set1_epi32(16)), _mm512_set1_epi32((int)r));
+}
 #endif
 
 int decode_scores_use_amx(int want) {
@@ -43,8 +63,6 @@ int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, con
     /* q_pairs[c][p][r]: dims 32c + 2p, 32c + 2p + 1 of query head r (zero past G), as 32-bit words */
     uint32_t q_pairs[8][16][16] __attribute__((aligned(64)));
     float tile[16][16] __attribute__((aligned(64))); /* [key][query head] */
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
     const int64_t chunks = D / 32, key_stride = 2 * KVH * D; /* bytes between a block's rows */
     amx_configure();
     for (int64_t hh = 0; hh < rows / G; hh++) {
@@ -59,12 +77,7 @@ int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, con
                              _MM_HINT_T0);
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
             const uint16_t *keys = k_head + (table[t0 / block_size] * block_size + t0 % block_size) * KVH * D;
-            if (t0 + 32 < len) { /* the rows two blocks on, scattered where the hardware prefetcher cannot follow */
-                const char *next = (const char *)(k_head + (table[(t0 + 32) / block_size] * block_size +
-                                                            (t0 + 32) % block_size) * KVH * D);
-                for (int i = 0; i < 16; i++)
-                    for (int64_t b = 0; b < 2 * D; b += 64) _mm_prefetch(next + i * key_stride + b, _MM_HINT_T0);
-            }
+            if (t0 + 32 < len) prefetch_block(k_head, table, t0 + 32, block_size, key_stride, 2 * D); /* 2 on */
             _tile_zero(0);
             for (int64_t c = 0; c < chunks; c++) {
                 _tile_loadd(1, keys + 32 * c, key_stride);
@@ -72,10 +85,9 @@ int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, con
                 _tile_dpbf16ps(0, 1, 2);
             }
             _tile_stored(0, tile, 64);
-            /* Rows past len (the block's unused slots, stale) are in the tile, never stored. */
-            const __mmask16 valid = len - t0 >= 16 ? 0xffff : (__mmask16)((1u << (len - t0)) - 1);
+            const __mmask16 valid = valid_keys(t0, len); /* stale rows are in the tile, never stored */
             for (int64_t r = 0; r < G; r++) {
-                const __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32((int)r)), tile, 4);
+                const __m512 s = _mm512_i32gather_ps(tile_column(r), tile, 4);
                 _mm512_mask_storeu_ps(scores + (hh * G + r) * len + t0, valid, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
             }
         }
@@ -128,8 +140,6 @@ int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D
     uint32_t q_quads[4][16][16] __attribute__((aligned(64)));
     int32_t tile[16][16] __attribute__((aligned(64))); /* [key][query head] */
     float q_scale[16];
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
     const int64_t chunks = D / 64, row = D + 4, key_stride = KVH * row; /* bytes between a block's rows */
     const __m512i scale_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                 _mm512_set1_epi32((int)key_stride));
@@ -152,12 +162,7 @@ int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D
         const int8_t *k_head = k_cache + (h0 + hh) * row;
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
             const int8_t *keys = k_head + (table[t0 / block_size] * block_size + t0 % block_size) * key_stride;
-            if (t0 + 32 < len) { /* the rows two blocks on, scattered where the hardware prefetcher cannot follow */
-                const char *next = (const char *)(k_head + (table[(t0 + 32) / block_size] * block_size +
-                                                            (t0 + 32) % block_size) * key_stride);
-                for (int i = 0; i < 16; i++)
-                    for (int64_t b = 0; b < row; b += 64) _mm_prefetch(next + i * key_stride + b, _MM_HINT_T0);
-            }
+            if (t0 + 32 < len) prefetch_block(k_head, table, t0 + 32, block_size, key_stride, row); /* 2 on */
             _tile_zero(0);
             for (int64_t c = 0; c < chunks; c++) {
                 _tile_loadd(1, keys + 64 * c, key_stride);
@@ -165,11 +170,10 @@ int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D
                 _tile_dpbssd(0, 1, 2);
             }
             _tile_stored(0, tile, 64);
-            /* Rows past len (the block's unused slots, stale) are in the tile, never stored. */
-            const __mmask16 valid = len - t0 >= 16 ? 0xffff : (__mmask16)((1u << (len - t0)) - 1);
+            const __mmask16 valid = valid_keys(t0, len); /* stale rows are in the tile, never stored */
             const __m512 k_scale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, scale_at, keys + D, 1);
             for (int64_t r = 0; r < G; r++) {
-                const __m512i s = _mm512_i32gather_epi32(_mm512_add_epi32(column, _mm512_set1_epi32((int)r)), tile, 4);
+                const __m512i s = _mm512_i32gather_epi32(tile_column(r), tile, 4);
                 _mm512_mask_storeu_ps(scores + (hh * G + r) * len + t0, valid,
                                       _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(k_scale, _mm512_set1_ps(q_scale[r]))));
             }
