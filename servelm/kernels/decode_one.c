@@ -6,7 +6,8 @@
  * layer in one call, running the same kernels in the same order as
  * servelm/models/llama.py's DecoderLayer does on its native path (norm, QKV,
  * RoPE, K/V into the cache, attention, o_proj, norm, gate/up, SiLU * up,
- * down), so its result is bit-identical to that path's. bfloat16 only.
+ * down), so its result is bit-identical to that path's. bfloat16 only; the KV
+ * cache bfloat16 or int8 (kv_int8.c).
  * Built at first use by servelm/kernels. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -48,10 +49,18 @@ void decode_one_bf16(const struct decoder *m, uint16_t *x, int64_t position, con
         add_rms_norm_bf16(x, i ? residual : NULL, l->input_norm, normed, 1, hidden, m->eps, nthreads);
         linear(&l->qkv, normed, hidden, qkv_size, qkv, nthreads);
         rope_bf16(qkv, 1, qkv_size, m->heads + m->kv_heads, D, m->cos_sin, &position, nthreads);
-        write_kv((char *)l->k_cache, (char *)l->v_cache, (const char *)(qkv + q_size),
-                 (const char *)(qkv + q_size + kv_size), 0, &slot, 1, kv_size * (int64_t)sizeof(uint16_t));
-        paged_decode_bf16(qkv, qkv_size, l->k_cache, l->v_cache, table, position / m->block_size + 1, &len, attn, 1,
-                          m->heads, m->kv_heads, D, m->block_size, m->scale, nthreads);
+        const int64_t blocks = position / m->block_size + 1;
+        if (m->kv_int8) {
+            write_kv_int8(l->k_cache, l->v_cache, qkv + q_size, qkv + q_size + kv_size, 1, 0, &slot, 1, m->kv_heads, D,
+                          nthreads);
+            paged_decode_int8(qkv, qkv_size, l->k_cache, l->v_cache, table, blocks, &len, attn, 1, m->heads,
+                              m->kv_heads, D, m->block_size, m->scale, nthreads);
+        } else {
+            write_kv(l->k_cache, l->v_cache, (const char *)(qkv + q_size), (const char *)(qkv + q_size + kv_size), 0,
+                     &slot, 1, kv_size * (int64_t)sizeof(uint16_t));
+            paged_decode_bf16(qkv, qkv_size, l->k_cache, l->v_cache, table, blocks, &len, attn, 1, m->heads,
+                              m->kv_heads, D, m->block_size, m->scale, nthreads);
+        }
         linear(&l->o, attn, q_size, hidden, x, nthreads);
         add_rms_norm_bf16(x, residual, l->post_norm, normed, 1, hidden, m->eps, nthreads);
         linear(&l->gate_up, normed, hidden, 2 * m->intermediate, gate_up, nthreads);

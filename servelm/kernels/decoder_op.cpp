@@ -50,7 +50,10 @@ struct OneTokenDecoder : torch::CustomClassHolder {
         CHECK_ARG(final_norm.dim() == 1 && cache.dim() == 5 && cache.size(0) == 2 && cache.size(2) > 0, kOp,
                   ": final_norm [hidden] and kv_cache [2, blocks, block_size, kv_heads, head_dim] expected");
         const int64_t hidden = final_norm.size(0), block_size = cache.size(2), kv_heads = cache.size(3);
-        const int64_t head_dim = cache.size(4);
+        const bool kv_int8 = cache.scalar_type() == at::kChar;  // rows of head_dim int8 and a float32 scale
+        const int64_t head_dim = cache.size(4) - (kv_int8 ? 4 : 0);
+        CHECK_ARG(head_dim > 0 && (!kv_int8 || ::kv_int8_decodes(head_dim)), kOp,
+                  ": an int8 cache needs its decode kernel (AVX512-BF16, head_dim a multiple of 64)");
         CHECK_ARG(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, kOp, ": ", heads, " heads over ", kv_heads,
                   " KV heads");
         const at::Tensor down = required(tensors, 3 + 3 * 3, "down");
@@ -71,18 +74,21 @@ struct OneTokenDecoder : torch::CustomClassHolder {
             const at::Tensor kv_cache = required(tensors, first + 2, "kv_cache");
             check_bf16(input_norm, "input_norm", {hidden});
             check_bf16(post_norm, "post_norm", {hidden});
-            check_bf16(kv_cache, "kv_cache", cache.sizes());  // every layer's cache alike
+            CHECK_ARG(kv_cache.device().is_cpu() && kv_cache.is_contiguous() &&
+                          kv_cache.scalar_type() == (kv_int8 ? at::kChar : at::kBFloat16) &&
+                          kv_cache.sizes() == cache.sizes(),
+                      kOp, ": every layer's kv_cache must be contiguous on the CPU, of the first one's dtype and shape");
             layer.input_norm = bits(input_norm);
             layer.post_norm = bits(post_norm);
-            layer.k_cache = bits(kv_cache[0]);
-            layer.v_cache = bits(kv_cache[1]);
+            layer.k_cache = kv_cache[0].data_ptr();
+            layer.v_cache = kv_cache[1].data_ptr();
             keep.insert(keep.end(), {input_norm, post_norm, kv_cache});
             linear *linears[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
             for (int j = 0; j < 4; j++)
                 *linears[j] = make_linear(tensors, first + 3 + 3 * j, kLinears[j], pairs[4 * i + j] != 0, shapes[j]);
             layers.push_back(layer);
         }
-        spec = ::decoder{num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size,
+        spec = ::decoder{num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, kv_int8,
                        static_cast<float>(eps), static_cast<float>(scale), cos_sin.data_ptr<float>(),
                        bits(final_norm), layers.data()};
         num_blocks = cache.size(1);

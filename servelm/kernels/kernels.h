@@ -25,9 +25,11 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
 /* kv_int8.c: the int8 KV cache, rows as attention.h lays them out (D int8, then a float32 scale).
  * write_kv_int8: token t's rows of key and value (D values per KV head, bfloat16 where x_bf16, else float32;
  * token t at key + t * stride elements) rounded into slot slots[t] of each cache. paged_decode_int8:
- * paged_decode_bf16 over such a cache; 0 where it does not run (no AVX512-BF16, D not a multiple of 64). */
+ * paged_decode_bf16 over such a cache; 0 where it does not run (no AVX512-BF16, D not a multiple of 64), as
+ * kv_int8_decodes(D) says beforehand. */
 void write_kv_int8(int8_t *k_cache, int8_t *v_cache, const void *key, const void *value, int x_bf16, int64_t stride,
                    const int64_t *slots, int64_t tokens, int64_t KVH, int64_t D, int nthreads);
+int kv_int8_decodes(int64_t D);
 int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
                       const int64_t *tables, int64_t max_blocks, const int64_t *lens, uint16_t *out, int64_t B,
                       int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int nthreads);
@@ -115,11 +117,12 @@ struct linear {
 struct decoder_layer {
     const uint16_t *input_norm, *post_norm;
     struct linear qkv, o, gate_up, down;
-    uint16_t *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
+    void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] bfloat16, or int8 rows (kv_int8) */
 };
 
 struct decoder {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    int kv_int8; /* the caches are int8 (kv_int8.c); kv_int8_decodes(head_dim) */
     float eps, scale;
     const float *cos_sin; /* [positions, head_dim]: cos then sin */
     const uint16_t *final_norm;

@@ -56,12 +56,21 @@ void write_kv_int8(int8_t *k_cache, int8_t *v_cache, const void *key, const void
         }
 }
 
+int kv_int8_decodes(int64_t D) {
+#ifdef ATTENTION_AVX512BF16
+    return D % 64 == 0;
+#else
+    (void)D;
+    return 0;
+#endif
+}
+
 #ifdef ATTENTION_AVX512BF16
 /* Work items as paged_decode_bf16's: one sequence and a range of its KV heads. */
 int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
                       const int64_t *tables, int64_t max_blocks, const int64_t *lens, uint16_t *out, int64_t B,
                       int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int nthreads) {
-    if (D % 64) return 0;
+    if (!kv_int8_decodes(D)) return 0;
     const int64_t G = H / KVH, split = B >= nthreads ? 1 : KVH, heads = KVH / split, rows = heads * G;
     const int64_t row = kv_row_bytes(D, 1);
     int64_t longest = 16;

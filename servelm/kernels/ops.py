@@ -35,7 +35,7 @@ class DecoderLayerWeights(NamedTuple):
     o: LinearWeights
     gate_up: LinearWeights  # gate rows, then up
     down: LinearWeights
-    kv_cache: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim]
+    kv_cache: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim] bfloat16, or int8 rows of head_dim + 4
 
 
 class OneTokenDecoder:
@@ -107,6 +107,18 @@ class CpuKernels:
         AVX512-BF16, D not a multiple of 64).
         """
         return self._decode_attention(query, kv_cache, block_tables, lens, scale)
+
+    def decodes_int8_cache(self, head_dim: int) -> bool:
+        """Whether ``decode_attention`` runs natively over an int8 cache of ``head_dim``-dim heads
+        (AVX512-BF16, ``head_dim`` a multiple of 64), as the one-token decoder needs; a one-token probe."""
+        probe = self._decode_attention(
+            torch.zeros(1, 1, head_dim, dtype=torch.bfloat16),
+            torch.zeros(2, 1, 1, 1, head_dim + 4, dtype=torch.int8),
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.ones(1, dtype=torch.long),
+            1.0,
+        )
+        return probe is not None
 
     def prefill_attention(
         self,
@@ -256,9 +268,9 @@ class CpuKernels:
         """A one-call decoding step over these bfloat16 weights and caches (models/one_token_decoder.py
         builds it); ValueError for any it cannot read.
 
-        Every tensor must be contiguous on the CPU, the norms, biases, scales
-        and caches bfloat16 (the weights bfloat16 or int8), ``cos_sin`` float32
-        ``[positions, head_dim]``.
+        Every tensor must be contiguous on the CPU, the norms, biases and
+        scales bfloat16 (the weights bfloat16 or int8), the caches bfloat16 or
+        int8 (``decodes_int8_cache``), ``cos_sin`` float32 ``[positions, head_dim]``.
         """
         tensors: list[torch.Tensor | None] = []
         pairs = []

@@ -23,11 +23,16 @@ def build_one_token_decoder(model: LlamaForCausalLM, kv_caches: list[torch.Tenso
 
     It applies on the CPU in bfloat16 when every linear layer keeps weights
     that one row reads natively (``one_row_weights``: the plain or pair-layout
-    weights of packed.py, the int8 ones of quantization.py) and there is no q/k
-    norm.
+    weights of packed.py, the int8 ones of quantization.py), there is no q/k
+    norm, and the KV cache is bfloat16 or an int8 one the kernels decode.
     """
-    native = kernels.for_tensors(kv_caches[0], model.model.norm.weight)
-    if native is None or kv_caches[0].dtype != torch.bfloat16 or model.config.qk_norm:
+    native = kernels.for_tensors(model.model.norm.weight)
+    if native is None or model.model.norm.weight.dtype != torch.bfloat16 or model.config.qk_norm:
+        return None
+    cache = kv_caches[0]
+    if cache.device.type != "cpu" or cache.dtype not in (torch.bfloat16, torch.int8):
+        return None
+    if cache.dtype == torch.int8 and not native.decodes_int8_cache(model.config.head_dim):
         return None
     layers = []
     for layer, cache in zip(model.model.layers, kv_caches, strict=True):

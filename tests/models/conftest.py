@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from servelm import kernels
+from servelm.engine.kv_cache import allocate_kv_caches
 from servelm.layers.attention import AttentionMetadata
 from servelm.models.config import ModelConfig
 from servelm.models.llama import LlamaForCausalLM, build_empty_model
@@ -45,15 +46,17 @@ def cpu_ops(request, monkeypatch):
 
 
 class PagedRunner:
-    """Drives a model step by step over a paged KV cache, as the engine would, with shuffled blocks."""
+    """Drives a model step by step over a paged KV cache, as the engine would, with shuffled blocks; the cache
+    in the model's dtype, or in int8 (``kv_int8``)."""
 
-    def __init__(self, model, config, block_size: int = 4, num_blocks: int = 128, seed: int = 0) -> None:
+    def __init__(
+        self, model, config, block_size: int = 4, num_blocks: int = 128, seed: int = 0, kv_int8: bool = False
+    ) -> None:
         self.model = model
         self.block_size = block_size
         device = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
-        shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        dtype = torch.int8 if kv_int8 else next(model.parameters()).dtype
+        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, dtype, device)
         # Hand blocks out in random order, so contiguous-block assumptions would show.
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)

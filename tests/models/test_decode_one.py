@@ -12,9 +12,9 @@ from servelm.models.llama import build_empty_model
 pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
-def decode(model, config, paged_runner, prompt, steps, one_call: bool):
+def decode(model, config, paged_runner, prompt, steps, one_call: bool, kv_int8: bool = False):
     """Logits of a prefill and then `steps` single-sequence decodes, and the KV caches after them."""
-    runner = paged_runner(model, config)
+    runner = paged_runner(model, config, block_size=16 if kv_int8 else 4, kv_int8=kv_int8)
     if not one_call:
         model._one_token_decoder = lambda caches: None  # the layer-by-layer native path
     try:
@@ -43,6 +43,20 @@ def test_one_call_step_is_bit_identical_to_the_layer_by_layer_path(paged_runner,
     if weights == "pairs" and kernels.cpu_kernels() is not None and "avx512_bf16" in build.cpu_flags():
         assert model.model.layers[0].self_attn.qkv_proj.pair_weight is not None  # the pair layout was read
     layered, layered_caches = decode(model, config, paged_runner, prompt, 9, one_call=False)
+    assert torch.equal(fused, layered)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, layered_caches))
+
+
+def test_one_call_step_over_an_int8_cache_is_bit_identical_to_the_layer_by_layer_path(paged_runner, tiny_llama):
+    """``--kv-cache-dtype int8`` keeps the one-call step where the int8 decode kernel runs (64-dim heads)."""
+    if not kernels.cpu_kernels().decodes_int8_cache(64):
+        pytest.skip("no AVX512-BF16: the int8 cache is read through PyTorch, and one sequence decodes layer by layer")
+    model, config = tiny_llama("pairs", head_dim=64)
+    prompt = list(range(3, 40))  # 37 tokens: the decodes cross into a third block of 16
+    fused, fused_caches = decode(model, config, paged_runner, prompt, 12, one_call=True, kv_int8=True)
+    assert model._decoder is not None and model._decoder[1] is not None  # it did run
+    layered, layered_caches = decode(model, config, paged_runner, prompt, 12, one_call=False, kv_int8=True)
+    assert fused_caches[0].dtype == torch.int8
     assert torch.equal(fused, layered)
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, layered_caches))
 
