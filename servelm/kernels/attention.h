@@ -49,6 +49,18 @@ static inline __m512 widen16_int8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
+/* q = the D bfloat16 at x rounded as an int8 cache row is (D a multiple of 16): each value to the nearest
+ * multiple of the returned scale, max |x| / 127. */
+static inline float round_row_int8(const uint16_t *x, int64_t D, int8_t *q) {
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) top = _mm512_max_ps(top, _mm512_abs_ps(widen16(x + d)));
+    const float most = _mm512_reduce_max_ps(top);
+    const __m512 inv = _mm512_set1_ps(most > 0.f ? 127.f / most : 0.f);
+    for (int64_t d = 0; d < D; d += 16)
+        _mm_storeu_si128((__m128i *)(q + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(widen16(x + d), inv))));
+    return most / 127.f;
+}
+
 /* The D int8 values at src as bfloat16 at dst (exact: integers of int8's range; D a multiple of 32). */
 static inline void int8_to_bf16(const int8_t *src, uint16_t *dst, int64_t D) {
     for (int64_t d = 0; d < D; d += 32)

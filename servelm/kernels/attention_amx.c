@@ -18,7 +18,7 @@
 #include <string.h>
 
 #include "amx.h"
-#include "bf16.h"
+#include "attention.h"
 #include "kernels.h"
 
 #ifdef KERNELS_AMX
@@ -147,17 +147,9 @@ int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D
     for (int64_t hh = 0; hh < rows / G; hh++) {
         memset(q_quads, 0, (size_t)chunks * sizeof q_quads[0]);
         for (int64_t r = 0; r < G; r++) { /* as write_kv_int8 rounds a row */
-            const uint16_t *qr = q + (hh * G + r) * D;
-            __m512 top = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d += 16) top = _mm512_max_ps(top, _mm512_abs_ps(widen16(qr + d)));
-            const float most = _mm512_reduce_max_ps(top), inv = most > 0.f ? 127.f / most : 0.f;
-            q_scale[r] = scale * most / 127.f;
-            for (int64_t d = 0; d < D; d += 16) { /* 16 dims: 4 words of 4, rows 4 apart in q_quads[d / 64] */
-                uint32_t words[4];
-                _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
-                                                       _mm512_mul_ps(widen16(qr + d), _mm512_set1_ps(inv)))));
-                for (int w = 0; w < 4; w++) q_quads[d / 64][(d % 64) / 4 + w][r] = words[w];
-            }
+            uint32_t words[64]; /* the row's int8, 4 to a word */
+            q_scale[r] = scale * round_row_int8(q + (hh * G + r) * D, D, (int8_t *)words);
+            for (int64_t w = 0; w < D / 4; w++) q_quads[w / 16][w % 16][r] = words[w];
         }
         const int8_t *k_head = k_cache + (h0 + hh) * row;
         for (int64_t t0 = 0; t0 < len; t0 += 16) {

@@ -21,13 +21,7 @@
 static void quantize_row(const void *x, int x_bf16, int64_t D, int8_t *dst) {
 #ifdef ATTENTION_AVX512BF16
     if (x_bf16 && D % 16 == 0) { /* the same arithmetic, 16 lanes at a time (prefill writes thousands of rows) */
-        __m512 top = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) top = _mm512_max_ps(top, _mm512_abs_ps(widen16((const uint16_t *)x + d)));
-        const float most = _mm512_reduce_max_ps(top), scale = most / 127.f;
-        const __m512 inv = _mm512_set1_ps(most > 0.f ? 127.f / most : 0.f);
-        for (int64_t d = 0; d < D; d += 16)
-            _mm_storeu_si128((__m128i *)(dst + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
-                                                       _mm512_mul_ps(widen16((const uint16_t *)x + d), inv))));
+        const float scale = round_row_int8(x, D, dst);
         memcpy(dst + D, &scale, sizeof scale);
         return;
     }
