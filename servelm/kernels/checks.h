@@ -27,6 +27,11 @@ inline void check_float(const char *op, const at::Tensor &x, std::initializer_li
                   t->scalar_type(), ")");
 }
 
+/* An int8 KV cache (attention.h's rows: head_dim int8, then a float32 scale) has a last axis of head_dim + 4. */
+inline bool kv_int8(const at::Tensor &kv_cache) { return kv_cache.scalar_type() == at::kChar; }
+
+inline int64_t cache_head_dim(const at::Tensor &kv_cache) { return kv_cache.size(4) - (kv_int8(kv_cache) ? 4 : 0); }
+
 /* The entries of a block table that `tokens` tokens occupy name blocks of the cache. */
 inline void check_table(const char *op, const int64_t *table, int64_t tokens, int64_t block_size,
                         int64_t num_blocks) {

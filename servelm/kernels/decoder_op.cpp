@@ -50,9 +50,9 @@ struct OneTokenDecoder : torch::CustomClassHolder {
         CHECK_ARG(final_norm.dim() == 1 && cache.dim() == 5 && cache.size(0) == 2 && cache.size(2) > 0, kOp,
                   ": final_norm [hidden] and kv_cache [2, blocks, block_size, kv_heads, head_dim] expected");
         const int64_t hidden = final_norm.size(0), block_size = cache.size(2), kv_heads = cache.size(3);
-        const bool kv_int8 = cache.scalar_type() == at::kChar;  // rows of head_dim int8 and a float32 scale
-        const int64_t head_dim = cache.size(4) - (kv_int8 ? 4 : 0);
-        CHECK_ARG(head_dim > 0 && (!kv_int8 || ::kv_int8_decodes(head_dim)), kOp,
+        const bool int8 = kv_int8(cache);
+        const int64_t head_dim = cache_head_dim(cache);
+        CHECK_ARG(head_dim > 0 && (!int8 || ::kv_int8_decodes(head_dim)), kOp,
                   ": an int8 cache needs its decode kernel (AVX512-BF16, head_dim a multiple of 64)");
         CHECK_ARG(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, kOp, ": ", heads, " heads over ", kv_heads,
                   " KV heads");
@@ -75,7 +75,7 @@ struct OneTokenDecoder : torch::CustomClassHolder {
             check_bf16(input_norm, "input_norm", {hidden});
             check_bf16(post_norm, "post_norm", {hidden});
             CHECK_ARG(kv_cache.device().is_cpu() && kv_cache.is_contiguous() &&
-                          kv_cache.scalar_type() == (kv_int8 ? at::kChar : at::kBFloat16) &&
+                          kv_cache.scalar_type() == (int8 ? at::kChar : at::kBFloat16) &&
                           kv_cache.sizes() == cache.sizes(),
                       kOp, ": every layer's kv_cache must be contiguous on the CPU, of the first one's dtype and shape");
             layer.input_norm = bits(input_norm);
@@ -88,7 +88,7 @@ struct OneTokenDecoder : torch::CustomClassHolder {
                 *linears[j] = make_linear(tensors, first + 3 + 3 * j, kLinears[j], pairs[4 * i + j] != 0, shapes[j]);
             layers.push_back(layer);
         }
-        spec = ::decoder{num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, kv_int8,
+        spec = ::decoder{num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, int8,
                        static_cast<float>(eps), static_cast<float>(scale), cos_sin.data_ptr<float>(),
                        bits(final_norm), layers.data()};
         num_blocks = cache.size(1);

@@ -25,11 +25,6 @@ at::Tensor heads_dense(const at::Tensor &t) {
     return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
 }
 
-/* An int8 cache's rows are head_dim int8 and a float32 scale (attention.h): its last axis is head_dim + 4. */
-bool kv_int8(const at::Tensor &kv_cache) { return kv_cache.scalar_type() == at::kChar; }
-
-int64_t cache_head_dim(const at::Tensor &kv_cache) { return kv_cache.size(4) - (kv_int8(kv_cache) ? 4 : 0); }
-
 void check_kv_cache(const char *op, const at::Tensor &kv_cache) {
     CHECK_ARG(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(2) > 0 && cache_head_dim(kv_cache) > 0,
               op, ": kv_cache must be [2, blocks, block_size, kv_heads, head_dim] (head_dim + 4 bytes in int8)");
@@ -120,8 +115,8 @@ bool prefill_attention(const at::Tensor &query_arg, const at::Tensor &kv_cache, 
         check_table(op, tables.data_ptr<int64_t>() + s * max_blocks, ctx_lens[s], block_size, kv_cache.size(1));
     }
     return paged_prefill_bf16(bits(query), query.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-                              kv_int8(kv_cache), tables.data_ptr<int64_t>(), max_blocks, starts, q_lens, ctx_lens, sequences, bits(out),
-                              query.size(1), kv_cache.size(3), query.size(2), block_size, static_cast<float>(scale),
+                              kv_int8(kv_cache), tables.data_ptr<int64_t>(), max_blocks, starts, q_lens, ctx_lens,
+                              sequences, bits(out), query.size(1), kv_cache.size(3), query.size(2), block_size, static_cast<float>(scale),
                               at::get_num_threads()) != 0;
 }
 
