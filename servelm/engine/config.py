@@ -81,9 +81,3 @@ class EngineConfig:
     def speculative(self) -> bool:
         """True when the engine proposes tokens (speculative_method is not none)."""
         return self.speculative_method != "none"
-
-    @property
-    def speculation_rows(self) -> int:
-        """The most rows a step verifies: every speculating sequence's last token and proposed ones (0 without
-        speculation)."""
-        return self.speculative_max_batch_size * (self.num_speculative_tokens + 1) if self.speculative else 0

@@ -11,6 +11,7 @@ tokens at their k + 1 positions and keeps the accepted run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from servelm.engine.spec_decode.draft import DraftModel
 from servelm.engine.spec_decode.verifier import Speculation, verify_isolated
 from servelm.kernels import cpu_kernels
 from servelm.models.loader import load_model
+from servelm.models.packed import rows_alike
 from servelm.models.weight_layout import free_memory_bytes, lay_out_weights
 from servelm.platform.memory import heap_only, keep_freed_memory
 
@@ -83,7 +85,7 @@ class ModelRunner:
             keep_freed_memory()
             cpu_kernels()  # build them now (once per machine), not in the first step
         self.model, self.model_config, self.tokenizer = load_model(model, self.dtype, self.device)
-        lay_out_weights(self.model, config.quantization, config.cpu_matmul, config.speculation_rows)
+        lay_out_weights(self.model, config.quantization, config.cpu_matmul)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
@@ -154,6 +156,19 @@ class ModelRunner:
         speculating seq_id to the distributions its proposed tokens were
         drawn from, where they were drawn (a draft model's sampled proposal).
         """
+        verifying = any(d.proposal for d in out.decodes)
+        # Verified rows computed as plain decoding computes its one row, logits included (packed.rows_alike).
+        with rows_alike() if verifying else contextlib.nullcontext():
+            return self._execute(out, sampling, want_prompt_logprobs, proposal_probs, verifying)
+
+    def _execute(
+        self,
+        out: SchedulerOutput,
+        sampling: dict[int, SamplingState],
+        want_prompt_logprobs: dict[int, int],
+        proposal_probs: dict[int, torch.Tensor] | None,
+        verifying: bool,
+    ) -> StepResult:
         chunks = [
             Chunk(s.seq.token_ids[s.start : s.start + s.num_new_tokens], s.start, s.seq.block_table)
             for s in out.prefills
@@ -165,8 +180,7 @@ class ModelRunner:
             tokens = [d.seq.token_ids[d.start], *d.proposal]
             chunks.extend(Chunk([t], d.start + j, d.seq.block_table) for j, t in enumerate(tokens))
         batch = flatten(chunks, len(out.prefills), self.block_size, self.device)
-        plain_decoding = not out.prefills and not any(d.proposal for d in out.decodes)
-        hidden = self._replayed(batch) if plain_decoding else None
+        hidden = None if out.prefills or verifying else self._replayed(batch)
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 

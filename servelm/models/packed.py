@@ -22,10 +22,12 @@ start-up finds.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -48,43 +50,42 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 PAIR_MAX_ROWS = 64  # the most rows the small-GEMM kernel takes; oneDNN's packed GEMM catches up beyond
 
 
-def pair_rows(cpu_matmul: str, speculation_rows: int = 0) -> int:
+def pair_rows(cpu_matmul: str) -> int:
     """The most rows of a product that go to servelm's small-GEMM kernel (over weights in its pair layout)
     rather than to oneDNN; 0: none, and no pair layout is kept. ``pairs`` and ``onednn`` pin it without a
     timing (``PAIR_MAX_ROWS`` and 0; ``pairs`` falls back to 0, with a warning, where the kernel does not
-    run); ``auto`` asks ``timed_pair_rows``.
-
-    A speculative engine verifies up to ``speculation_rows`` rows in one step (its most speculating
-    sequences times k + 1 tokens each): wherever the kernel runs they all go to it, however the timing came
-    out, since it computes each row alike however many rows come, so verified tokens get the logits of
-    plain decoding's one row, and greedy output stays plain decoding's. oneDNN's rows need not match the
-    one-row kernel's (on an AMX CPU they did not).
+    run); ``auto`` asks ``timed_pair_rows``. Wherever the layout is kept, a speculative step's verified rows
+    go to it whatever this says (``rows_alike``).
     """
     if cpu_matmul == "onednn":
         logger.info("cpu_matmul onednn: decoding's small matmuls use oneDNN, as pinned")
         return 0
     if cpu_matmul == "auto":
-        rows = timed_pair_rows()  # 0 where the kernel does not run, said once
-        if rows == 0:
-            return 0
-    elif _small_gemm_kernels() is None:
+        return timed_pair_rows()  # 0 where the kernel does not run, said once
+    if _small_gemm_kernels() is None:
         logger.warning(
             "cpu_matmul pairs: servelm's small-GEMM kernel does not run here (%s): using oneDNN", _NO_SMALL_GEMM
         )
         return 0
-    else:
-        logger.info("cpu_matmul pairs: decoding's small matmuls use the pair layout, as pinned")
-        rows = PAIR_MAX_ROWS
-    wanted = min(speculation_rows, PAIR_MAX_ROWS)
-    if wanted > rows:
-        logger.info(
-            "speculative decoding verifies up to %d rows a step: up to %d rows use the pair layout, whose rows "
-            "verified together are those of plain decoding",
-            speculation_rows,
-            wanted,
-        )
-        rows = wanted
-    return rows
+    logger.info("cpu_matmul pairs: decoding's small matmuls use the pair layout, as pinned")
+    return PAIR_MAX_ROWS
+
+
+_ROWS_ALIKE: contextvars.ContextVar[bool] = contextvars.ContextVar("servelm_rows_alike", default=False)
+
+
+@contextlib.contextmanager
+def rows_alike() -> Iterator[None]:
+    """Within it, every product of up to ``PAIR_MAX_ROWS`` rows over a kept pair layout runs on the vector
+    unit, which computes each row exactly as it computes one row alone, however many come: a speculative
+    step's verified rows then get the logits of plain decoding's one row, and greedy output stays plain
+    decoding's. Outside it, 2 to ``PAIR_MAX_ROWS`` rows may go to the tile unit (AMX) or oneDNN, faster and
+    summed in another order."""
+    token = _ROWS_ALIKE.set(True)
+    try:
+        yield
+    finally:
+        _ROWS_ALIKE.reset(token)
 
 
 _NO_SMALL_GEMM = "it needs servelm's CPU kernels, an AVX512-BF16 CPU and oneDNN's bfloat16 packing"
@@ -180,9 +181,12 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
         rows = flat.shape[0]
-        pairs = self.pair_weight is not None and (rows <= self.pair_rows or (rows <= PAIR_MAX_ROWS and self.amx_pairs))
+        alike = rows <= PAIR_MAX_ROWS and _ROWS_ALIKE.get()
+        pairs = self.pair_weight is not None and (
+            rows <= self.pair_rows or alike or (rows <= PAIR_MAX_ROWS and self.amx_pairs)
+        )
         if pairs and (native := kernels.for_tensors(flat)):
-            amx = rows > self.pair_rows
+            amx = rows > self.pair_rows and not alike
             out = native.gemm_pairs(flat, self.pair_weight, self.out_features, self.bias, amx=amx)
         elif rows == 1 and self.plain_weight is not None and (native := kernels.for_tensors(flat, self.plain_weight)):
             out = native.gemv(flat, self.plain_weight, self.bias)

@@ -42,12 +42,11 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def lay_out_weights(model: nn.Module, quantization: str, cpu_matmul: str, speculation_rows: int = 0) -> None:
+def lay_out_weights(model: nn.Module, quantization: str, cpu_matmul: str) -> None:
     """Replace ``model``'s linear layers by the layout that runs fastest where it lives, in place.
 
     ``quantization`` is ``none``, ``int8`` or ``w8a8`` (the last two CPU only: ValueError elsewhere);
-    ``cpu_matmul`` (``auto``, ``onednn`` or ``pairs``) picks the products of decoding's few rows on CPU,
-    with ``speculation_rows`` (the most rows a speculative engine verifies in a step) taken into account
+    ``cpu_matmul`` (``auto``, ``onednn`` or ``pairs``) picks the products of decoding's few rows on CPU
     (``packed.pair_rows``).
     """
     param = next(model.parameters())
@@ -65,11 +64,11 @@ def lay_out_weights(model: nn.Module, quantization: str, cpu_matmul: str, specul
         count = quantize_w8a8(model, _tied_head(model))
         logger.info("quantized %d linear layers to int8 weights and activations (w8a8)", count)
     elif can_pack(dtype, device):
-        _pack(model, device, cpu_matmul, speculation_rows)
+        _pack(model, device, cpu_matmul)
     _stream_from_huge_pages(model, device)
 
 
-def _pack(model: nn.Module, device: torch.device, cpu_matmul: str, speculation_rows: int) -> None:
+def _pack(model: nn.Module, device: torch.device, cpu_matmul: str) -> None:
     # Decoding reads a second copy of the weights faster than oneDNN's packed one (packed.py): in the
     # small-GEMM kernel's pair layout where cpu_matmul says so (with a tied head's too), else plain for batch 1
     # (a tied head's plain weight is the embedding). It is kept only while it takes at most a quarter
@@ -78,7 +77,7 @@ def _pack(model: nn.Module, device: torch.device, cpu_matmul: str, speculation_r
     head = _tied_head(model)
     budget = free_memory_bytes(device) // 4
     fits_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget
-    rows = pair_rows(cpu_matmul, speculation_rows) if fits_pairs else 0
+    rows = pair_rows(cpu_matmul) if fits_pairs else 0
     keep_plain = plain_bytes <= budget
     make = functools.partial(PackedLinear, keep_plain=keep_plain, pair_rows=rows)
     count = replace_linears(model, make, head)

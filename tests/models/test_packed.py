@@ -19,6 +19,7 @@ from servelm.models.packed import (
     can_pack,
     pair_rows,
     replace_linears,
+    rows_alike,
     timed_pair_rows,
 )
 
@@ -88,6 +89,23 @@ def test_on_amx_cpus_the_rows_past_pair_rows_go_to_the_tile_unit(rows, with_bias
         assert torch.equal(got, native.gemm_pairs(x, layer.pair_weight, 96, bias, amx=True))
 
 
+@pytest.mark.parametrize("pair_rows", [1, PAIR_MAX_ROWS])  # 1: on AMX CPUs 2 to 64 rows go to the tile unit
+def test_within_rows_alike_each_row_is_computed_as_it_is_alone(pair_rows):
+    """A speculative step's verified rows must get plain decoding's one-row logits, bit for bit."""
+    if not small_gemm_runs_here():
+        pytest.skip("no small-GEMM kernel here: oneDNN takes every product")
+    torch.manual_seed(pair_rows)
+    weight, bias = torch.randn(96, 64).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
+    x = torch.randn(20, 64).to(torch.bfloat16)
+    layer = PackedLinear(weight, bias, pair_rows=pair_rows)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
+    with rows_alike():
+        together = layer(x)
+    assert torch.equal(together, alone)
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
 def test_the_tile_unit_takes_only_whole_rows_of_32_inputs():
     if not amx_pairs_run_here():
         pytest.skip("no AMX tile unit here (or Linux did not grant it)")
@@ -155,18 +173,6 @@ def test_auto_times_once_per_process_and_logs_the_figures(caplog):
     if rows == 1 and kernels.cpu_kernels().pairs_amx(576):  # the rows past it go to the tile unit
         more = f"the same layout on AMX tiles up to {PAIR_MAX_ROWS} rows, then oneDNN"
     assert re.search(figures + verdict + more + "$", caplog.messages[0])
-
-
-def test_a_speculative_engine_sends_every_verified_row_to_the_pair_layout(monkeypatch):
-    """However the timing came out: verified tokens must get plain decoding's one-row arithmetic."""
-    if not small_gemm_runs_here():
-        pytest.skip("servelm's small-GEMM kernel does not run here: no pair layout at all")
-    for timed in (1, PAIR_MAX_ROWS):
-        monkeypatch.setattr(packed_mod, "timed_pair_rows", lambda timed=timed: timed)
-        assert pair_rows("auto", speculation_rows=20) == max(timed, 20)
-        assert pair_rows("auto", speculation_rows=500) == PAIR_MAX_ROWS
-        assert pair_rows("auto") == timed
-    assert pair_rows("onednn", speculation_rows=20) == 0  # pinned is pinned
 
 
 @pytest.mark.model
