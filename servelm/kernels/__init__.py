@@ -37,7 +37,7 @@
   token in flight the Python around a few hundred small calls a step costs
   as much as the calls themselves.
 
-``ops.cpp`` and ``decoder_op.cpp`` register them as ops with schemas, each
+``ops.cpp``, ``attention_op.cpp`` and ``decoder_op.cpp`` register them as ops with schemas, each
 checking its arguments before C reads them; ``ops.py`` is their typed Python
 face, ``build.py`` compiles and caches the library, ``self_check.py`` checks
 a loaded build against PyTorch before it is used (bench/kernels.py measures

@@ -1,4 +1,4 @@
-/* The argument checks the ops of ops.cpp and decoder_op.cpp share: a failed
+/* The argument checks the ops of ops.cpp, attention_op.cpp and decoder_op.cpp share: a failed
  * one raises ValueError in Python, naming the op and what it expected. */
 #pragma once
 #include <ATen/core/Tensor.h>

@@ -1,6 +1,7 @@
-/* The C kernels' entry points, for the other C files and for ops.cpp, which
- * registers them as PyTorch ops after checking every argument: the kernels
- * themselves trust theirs. bfloat16 travels as its bits (uint16_t). */
+/* The C kernels' entry points, for the other C files and for the C++ files
+ * (ops.cpp, attention_op.cpp, decoder_op.cpp), which register them as PyTorch
+ * ops after checking every argument: the kernels themselves trust theirs.
+ * bfloat16 travels as its bits (uint16_t). */
 #pragma once
 #include <stdint.h>
 

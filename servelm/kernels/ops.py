@@ -1,6 +1,6 @@
 """The typed Python face of servelm's CPU kernels: one method per op of ``torch.ops.servelm``.
 
-The ops are registered in C++ (``ops.cpp``, ``decoder_op.cpp``) with
+The ops are registered in C++ (``ops.cpp``, ``attention_op.cpp``, ``decoder_op.cpp``) with
 schemas, check every argument before their kernel reads it (a wrong dtype,
 device, shape, stride, contiguity or index raises ValueError) and show by
 name (``servelm::rms_norm`` ...) in ``torch.profiler``. This class only names
