@@ -3,6 +3,8 @@
  *
  * Prefill: an item's query rows (copied into 16-row tiles) times its keys, which the prefill kernel has
  * already transposed into the tile unit's pair layout, 16 keys a tile; the sums go straight to the scores.
+ * Then its softmaxed weights, rounded to bfloat16 (as flash attention's are on GPUs), times the values, which
+ * the prefill kernel has laid out in pairs of keys: 16 rows x 64 dims a pass, in four tiles of sums.
  *
  * Decode: for one sequence and one KV head, its G query heads' scores against the keys: a tile of 16 keys x 32 dims
  * (one 16-slot cache block's rows, KVH * D apart) times the query heads' same 32 dims in pairs (the tile unit's
@@ -127,6 +129,61 @@ int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, co
     return 1;
 #else
     (void)qrows, (void)rows, (void)D, (void)kts, (void)chunks, (void)scale, (void)scores, (void)stride, (void)qbuf;
+    return 0;
+#endif
+}
+
+int prefill_values_amx(const float *p, int64_t rows, int64_t stride, int64_t first_seen, int64_t G, const uint32_t *vts,
+                       int64_t D, uint16_t *const *orows, uint16_t *pbuf, float *acc) {
+#ifdef KERNELS_AMX
+    if (!enabled || D % 64 || !amx_granted()) return 0;
+    const int64_t padded = (rows + 15) / 16 * 16, last_seen = first_seen + (rows - 1) / G;
+    const int64_t width = (last_seen + 31) / 32 * 32; /* bfloat16 weights a row of pbuf */
+    for (int64_t r = 0; r < padded; r++) { /* the weights in bfloat16, 0 past the keys each row sees */
+        const int64_t seen = r < rows ? first_seen + r / G : 0;
+        for (int64_t t = 0; t < width; t += 32) {
+            const int64_t lo = seen - t, hi = seen - t - 16;
+            const __mmask16 mlo = lo >= 16 ? 0xffff : lo > 0 ? (__mmask16)((1u << lo) - 1) : 0;
+            const __mmask16 mhi = hi >= 16 ? 0xffff : hi > 0 ? (__mmask16)((1u << hi) - 1) : 0;
+            const __m512 a = _mm512_maskz_loadu_ps(mlo, p + r * stride + t), b = _mm512_maskz_loadu_ps(mhi, p + r * stride + t + 16);
+            _mm512_storeu_si512(pbuf + r * width + t, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+    }
+    amx_configure();
+    for (int64_t r0 = 0; r0 < padded; r0 += 16) {
+        const int64_t top = r0 + 16 < rows ? r0 + 16 : rows; /* the block's rows; its last sees the most keys */
+        const int64_t keys = (first_seen + (top - 1) / G + 31) / 32 * 32;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t t = 0; t < keys; t += 32) {
+                const uint32_t *v = vts + t / 2 * D + d0; /* 16 pairs of keys x 16 dims a tile */
+                _tile_loadd(4, pbuf + r0 * width + t, 2 * width);
+                _tile_loadd(5, v, 4 * D);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, v + 16, 4 * D);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, v + 32, 4 * D);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, v + 48, 4 * D);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, acc, 256);
+            _tile_stored(1, acc + 16, 256);
+            _tile_stored(2, acc + 32, 256);
+            _tile_stored(3, acc + 48, 256);
+            for (int64_t r = r0; r < top; r++)
+                for (int i = 0; i < 4; i++)
+                    _mm256_storeu_si256((__m256i *)(orows[r] + d0 + 16 * i),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + (r - r0) * 64 + 16 * i)));
+        }
+    }
+    _tile_release();
+    return 1;
+#else
+    (void)p, (void)rows, (void)stride, (void)first_seen, (void)G, (void)vts, (void)D, (void)orows, (void)pbuf, (void)acc;
     return 0;
 #endif
 }

@@ -47,6 +47,13 @@ int decode_scores_use_amx(int want);
  * room for rows rounded up to 16; qbuf for as many rows of D. */
 int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, const uint32_t *kts, int64_t chunks,
                        float scale, float *scores, int64_t stride, uint16_t *qbuf);
+/* Prefill's weighted values on AMX tiles (where decode_scores_use_amx allows, D a multiple of 64): orows[r] (D
+ * bfloat16) = sum over the first_seen + r / G keys row r sees of p[r * stride + t] (rounded to bfloat16) times
+ * value t, laid out at vts in pairs of keys (vts[(t / 2) * D + d] = dims d of values t and t + 1, zero past the
+ * context, to a multiple of 32 keys). pbuf: room for rows rounded up to 16 of the widest row's keys rounded up
+ * to 32; acc: 16 x 64 float32. */
+int prefill_values_amx(const float *p, int64_t rows, int64_t stride, int64_t first_seen, int64_t G, const uint32_t *vts,
+                       int64_t D, uint16_t *const *orows, uint16_t *pbuf, float *acc);
 int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
                       int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale, float *scores);
 /* The same over an int8 cache (kv_int8.c), D a multiple of 64: the query heads rounded to int8 as the cache's

@@ -222,7 +222,10 @@ DEFINE_DECODE(paged_decode_f32, float, f32_identity, f32_identity, scores_none, 
  * scores are summed PREFILL_ROWS query rows at a time against each chunk of
  * 16 keys (one load of the keys serves them all), then softmaxed in float32
  * per row over the keys the row sees, then each token's heads sum the V
- * rows as the decode kernel does. An int8 cache (kv_int8, attention.h's rows)
+ * rows as the decode kernel does. On AMX CPUs both products run on tiles
+ * (attention_amx.c): the scores over the transposed keys, and the weights,
+ * rounded to bfloat16, over the values, which are then laid out in pairs of
+ * keys beside the keys' transposition. An int8 cache (kv_int8, attention.h's rows)
  * has its keys transposed as bfloat16 integers, their scales applied to the
  * scores, and the values' scales to the weights. Returns 0 where it does not
  * apply (the caller then runs PyTorch's path): no AVX512-BF16, or D not a
@@ -254,6 +257,23 @@ static void rows_scores(const uint32_t *kt, const uint32_t *const *q, int64_t ro
     }
 }
 
+/* One (sequence, KV head)'s values (rows[t], t < ctx; int8 where kv_int8, widened in wide: 2 D) in pairs of keys for
+ * prefill_values_amx: vt[(t / 2) * D + d] = dim d of values t (low half) and t + 1, zero past ctx, to a
+ * multiple of 32 keys (a stale slot's NaN would reach the sums even at weight 0). */
+static void pair_values(const void **rows, int64_t ctx, int64_t D, int kv_int8, uint16_t *wide, uint32_t *vt) {
+    const int64_t padded = (ctx + 31) / 32 * 32;
+    for (int64_t t = 0; t < padded; t += 2) {
+        const uint16_t *a = NULL, *b = NULL;
+        if (t < ctx) a = kv_int8 ? (int8_to_bf16(rows[t], wide, D), wide) : rows[t];
+        if (t + 1 < ctx) b = kv_int8 ? (int8_to_bf16(rows[t + 1], wide + D, D), wide + D) : rows[t + 1];
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + d))) : _mm512_setzero_si512();
+            const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + d))) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vt + t / 2 * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
 int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_int8,
                        const int64_t *tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
                        const int64_t *ctx_lens, int64_t S, uint16_t *out, int64_t H, int64_t KVH, int64_t D,
@@ -261,28 +281,35 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
     if (D % 64) return 0;
     const int64_t G = H / KVH, pairs = D / 2, row_bytes = kv_row_bytes(D, kv_int8);
     const int64_t tokens = G >= 24 ? 1 : 24 / G; /* a tile's tokens: up to 24 query rows */
-    /* where each (sequence, KV head)'s transposed keys start, and each sequence's first work item */
-    int64_t *kt_at = malloc(sizeof(int64_t) * (size_t)(S + 1) * 2), *item_at = kt_at + S + 1;
-    kt_at[0] = item_at[0] = 0;
+    /* the values in pairs of keys for AMX tiles, where they run */
+    const int amx_values = decode_scores_use_amx(-1) && D % 64 == 0;
+    /* where each (sequence, KV head)'s transposed keys and paired values start, and each sequence's first item */
+    int64_t *kt_at = malloc(sizeof(int64_t) * (size_t)(S + 1) * 3), *item_at = kt_at + S + 1, *vt_at = item_at + S + 1;
+    kt_at[0] = item_at[0] = vt_at[0] = 0;
     for (int64_t s = 0; s < S; s++) {
         kt_at[s + 1] = kt_at[s] + (ctx_lens[s] + 15) / 16 * 16 * pairs * KVH;
         item_at[s + 1] = item_at[s] + (q_lens[s] + tokens - 1) / tokens * KVH;
+        vt_at[s + 1] = vt_at[s] + (amx_values ? (ctx_lens[s] + 31) / 32 * 16 * D * KVH : 0);
     }
-    uint32_t *kt = malloc(sizeof(uint32_t) * (size_t)kt_at[S]);
+    uint32_t *kt = malloc(sizeof(uint32_t) * (size_t)kt_at[S]), *vt = amx_values ? malloc(sizeof(uint32_t) * (size_t)vt_at[S]) : NULL;
     float *k_scales = kv_int8 ? malloc(sizeof(float) * (size_t)(kt_at[S] / pairs)) : NULL; /* per transposed key */
     int64_t longest = 1; /* context */
     for (int64_t s = 0; s < S; s++) longest = ctx_lens[s] > longest ? ctx_lens[s] : longest;
     const int64_t most_rows = (tokens * G + 15) / 16 * 16, widest = (longest + 15) / 16 * 16; /* 16s: AMX tiles */
+    const int64_t widest_pairs = amx_values ? (longest + 31) / 32 * 32 : 0; /* a row of bfloat16 weights */
     _Pragma("omp parallel num_threads(nthreads)") {
         /* one workspace per thread, for the largest item: a malloc per item cost more than small items */
-        float *scores = malloc(sizeof(float) * (size_t)(most_rows * widest + longest) +
-                               sizeof(void *) * (size_t)(most_rows + longest) +
-                               sizeof(uint16_t) * (size_t)(most_rows * D + D)); /* and the values' scales last */
-        const uint32_t **qrows = (const uint32_t **)(scores + most_rows * widest);
-        const void **rows_at = (const void **)(qrows + most_rows); /* K rows, then V rows */
+        float *scores = malloc(sizeof(float) * (size_t)(most_rows * widest + longest + 16 * 64) +
+                               sizeof(void *) * (size_t)(2 * most_rows + longest) +
+                               sizeof(uint16_t) * (size_t)(most_rows * (D + widest_pairs) + 2 * D));
+        float *acc = scores + most_rows * widest; /* a pass of AMX sums: 16 rows x 64 dims */
+        const uint32_t **qrows = (const uint32_t **)(acc + 16 * 64);
+        uint16_t **orows = (uint16_t **)(qrows + most_rows);
+        const void **rows_at = (const void **)(orows + most_rows); /* K rows, then V rows */
         uint16_t *qbuf = (uint16_t *)(rows_at + longest); /* the item's query rows, for AMX tiles */
-        uint16_t *key_bf16 = qbuf + most_rows * D;        /* an int8 key row widened */
-        float *v_scales = (float *)(key_bf16 + D);         /* an int8 head's values' scales */
+        uint16_t *pbuf = qbuf + most_rows * D;            /* its weights in bfloat16, for AMX tiles */
+        uint16_t *key_bf16 = pbuf + most_rows * widest_pairs; /* int8 key or value rows widened: two */
+        float *v_scales = (float *)(key_bf16 + 2 * D);        /* an int8 head's values' scales */
         _Pragma("omp for schedule(dynamic)")
         for (int64_t sh = 0; sh < S * KVH; sh++) {
             const int64_t s = sh / KVH, h = sh % KVH, ctx = ctx_lens[s], padded = (ctx + 15) / 16 * 16;
@@ -303,6 +330,11 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
                     for (int64_t p = 0; p < pairs; p++) col[p * 16] = key[p];
                 }
                 if (kv_int8) k_scales[kt_at[s] / pairs + h * padded + t] = t < ctx ? int8_row_scale(keys[t], D) : 0.f;
+            }
+            if (vt) {
+                row_pointers((const char *)v_cache + h * row_bytes, tables + s * max_blocks, ctx, block_size,
+                             KVH * row_bytes, keys);
+                pair_values(keys, ctx, D, kv_int8, key_bf16, vt + vt_at[s] + h * ((ctx + 31) / 32) * 16 * D);
             }
         }
         _Pragma("omp for schedule(dynamic)")
@@ -325,13 +357,19 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
                                 pairs, scale, scores + r0 * stride + c * 16, stride);
             if (kv_int8) scale_columns(scores, rows, stride, k_scales + kt_at[s] / pairs + h * padded, keys);
             for (int64_t r = 0; r < rows; r++) softmax_(scores + r * stride, pos0 + r / G + 1); /* keys it sees */
+            if (kv_int8) { /* the values' scales to their weights */
+                row_pointers((const char *)v_cache + h * row_bytes, tables + s * max_blocks, keys, block_size,
+                             KVH * row_bytes, v_rows);
+                row_scales(v_rows, keys, D, v_scales);
+                scale_columns(scores, rows, stride, v_scales, keys);
+            }
+            for (int64_t r = 0; r < rows; r++) orows[r] = out + ((q_starts[s] + first + r / G) * H + h * G + r % G) * D;
+            if (vt && prefill_values_amx(scores, rows, stride, pos0 + 1, G,
+                                         vt + vt_at[s] + h * ((ctx + 31) / 32) * 16 * D, D, orows, pbuf, acc))
+                continue;
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
                 row_pointers((const char *)v_cache + h * row_bytes + d0 * (kv_int8 ? 1 : 2), tables + s * max_blocks,
                              keys, block_size, KVH * row_bytes, v_rows);
-                if (kv_int8 && d0 == 0) { /* the values' scales to their weights, once */
-                    row_scales(v_rows, keys, D, v_scales);
-                    scale_columns(scores, rows, stride, v_scales, keys);
-                }
                 for (int64_t i = 0; i < n; i++)
                     for (int64_t g0 = 0; g0 < G; g0 += 4)
                         weighted_heads(scores + (i * G + g0) * stride, pos0 + i + 1, stride, v_rows,
@@ -342,6 +380,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
         free(scores);
     }
     free(kt);
+    free(vt);
     free(k_scales);
     free(kt_at);
     return 1;
