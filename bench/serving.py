@@ -122,7 +122,9 @@ def bench_serve(
             "--no-progress",
             *extra_args,
         ]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:  # say why: the client's own report is in its output
+            raise RuntimeError(f"servelm bench serve exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
         return json.loads(Path(out.name).read_text())["levels"][0]
 
 
