@@ -28,8 +28,8 @@
 - ``amx.c``: what the AMX kernels share: Linux's permission to use the
   tiles, and the tile configuration.
 - ``w8a8.c``: an int8 x int8 GEMM for ``--quantization w8a8`` on AVX512-VNNI
-  CPUs (``vpdpbusd``), and on AMX-INT8 tiles (``tdpbssd``) from 8 rows where
-  the CPU has them: each row of the activations rounded to int8 on the fly,
+  CPUs (``vpdpbusd``), and on AMX-INT8 tiles (``tdpbssd``, ``w8a8_amx.c``)
+  from 8 rows where the CPU has them (``w8a8.h``: what both share): each row of the activations rounded to int8 on the fly,
   the weights packed once at load (one layout serves both), int32 sums
   scaled back once per output (``bench/w8a8_gemm.py``).
 - ``decode_one.c``: a whole decoding step of a Llama-family model for one

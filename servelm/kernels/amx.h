@@ -1,6 +1,7 @@
-/* Intel AMX (the tile unit of Sapphire Rapids and later) for the kernels that use it: w8a8.c's int8 GEMM
- * (tdpbssd) and gemv.c's bfloat16 one over the pair layout (tdpbf16ps). KERNELS_AMX is defined where this
- * build targets AMX-INT8 and AMX-BF16 (-march=native on such a CPU) on Linux. */
+/* Intel AMX (the tile unit of Sapphire Rapids and later) for the kernels that use it: w8a8_amx.c's int8 GEMM
+ * (tdpbssd), gemv.c's bfloat16 one over the pair layout and attention_amx.c's products (tdpbf16ps).
+ * KERNELS_AMX is defined where this build targets AMX-INT8 and AMX-BF16 (-march=native on such a CPU) on
+ * Linux. */
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AVX512F__) && \
