@@ -133,6 +133,31 @@ int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, co
 #endif
 }
 
+#ifdef KERNELS_AMX
+/* Dims d .. d + 15 of a bfloat16 row as 32-bit words (0 without a row). */
+static inline __m512i widened(const uint16_t *row, int64_t d) {
+    return row ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + d))) : _mm512_setzero_si512();
+}
+#endif
+
+int64_t prefill_pair_words(int64_t ctx, int64_t D) { return (ctx + 31) / 32 * 16 * D; }
+
+void prefill_pair_values(const void **rows, int64_t ctx, int64_t D, int kv_int8, uint16_t *wide, uint32_t *vt) {
+#ifdef KERNELS_AMX
+    const int64_t padded = (ctx + 31) / 32 * 32;
+    for (int64_t t = 0; t < padded; t += 2) {
+        const uint16_t *a = NULL, *b = NULL;
+        if (t < ctx) a = kv_int8 ? (int8_to_bf16(rows[t], wide, D), wide) : rows[t];
+        if (t + 1 < ctx) b = kv_int8 ? (int8_to_bf16(rows[t + 1], wide + D, D), wide + D) : rows[t + 1];
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_si512(vt + t / 2 * D + d,
+                                _mm512_or_si512(widened(a, d), _mm512_slli_epi32(widened(b, d), 16)));
+    }
+#else
+    (void)rows, (void)ctx, (void)D, (void)kv_int8, (void)wide, (void)vt;
+#endif
+}
+
 int prefill_values_amx(const float *p, int64_t rows, int64_t stride, int64_t first_seen, int64_t G, const uint32_t *vts,
                        int64_t D, uint16_t *const *orows, uint16_t *pbuf, float *acc) {
 #ifdef KERNELS_AMX
@@ -145,7 +170,8 @@ int prefill_values_amx(const float *p, int64_t rows, int64_t stride, int64_t fir
             const int64_t lo = seen - t, hi = seen - t - 16;
             const __mmask16 mlo = lo >= 16 ? 0xffff : lo > 0 ? (__mmask16)((1u << lo) - 1) : 0;
             const __mmask16 mhi = hi >= 16 ? 0xffff : hi > 0 ? (__mmask16)((1u << hi) - 1) : 0;
-            const __m512 a = _mm512_maskz_loadu_ps(mlo, p + r * stride + t), b = _mm512_maskz_loadu_ps(mhi, p + r * stride + t + 16);
+            const __m512 a = _mm512_maskz_loadu_ps(mlo, p + r * stride + t);
+            const __m512 b = _mm512_maskz_loadu_ps(mhi, p + r * stride + t + 16);
             _mm512_storeu_si512(pbuf + r * width + t, (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
     }

@@ -47,6 +47,12 @@ int decode_scores_use_amx(int want);
  * room for rows rounded up to 16; qbuf for as many rows of D. */
 int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, const uint32_t *kts, int64_t chunks,
                        float scale, float *scores, int64_t stride, uint16_t *qbuf);
+/* One (sequence, KV head)'s values (rows[t], t < ctx; int8 where kv_int8, widened in wide: room for 2 D) in
+ * pairs of keys for prefill_values_amx (AMX builds only; a no-op elsewhere): vt[(t / 2) * D + d] = dim d of
+ * values t (low half) and t + 1, zero past ctx (a stale slot's NaN would reach the sums even at weight 0), to
+ * a multiple of 32 keys: prefill_pair_words(ctx, D) words. */
+int64_t prefill_pair_words(int64_t ctx, int64_t D);
+void prefill_pair_values(const void **rows, int64_t ctx, int64_t D, int kv_int8, uint16_t *wide, uint32_t *vt);
 /* Prefill's weighted values on AMX tiles (where decode_scores_use_amx allows, D a multiple of 64): orows[r] (D
  * bfloat16) = sum over the first_seen + r / G keys row r sees of p[r * stride + t] (rounded to bfloat16) times
  * value t, laid out at vts in pairs of keys (vts[(t / 2) * D + d] = dims d of values t and t + 1, zero past the

@@ -257,23 +257,6 @@ static void rows_scores(const uint32_t *kt, const uint32_t *const *q, int64_t ro
     }
 }
 
-/* One (sequence, KV head)'s values (rows[t], t < ctx; int8 where kv_int8, widened in wide: 2 D) in pairs of keys for
- * prefill_values_amx: vt[(t / 2) * D + d] = dim d of values t (low half) and t + 1, zero past ctx, to a
- * multiple of 32 keys (a stale slot's NaN would reach the sums even at weight 0). */
-static void pair_values(const void **rows, int64_t ctx, int64_t D, int kv_int8, uint16_t *wide, uint32_t *vt) {
-    const int64_t padded = (ctx + 31) / 32 * 32;
-    for (int64_t t = 0; t < padded; t += 2) {
-        const uint16_t *a = NULL, *b = NULL;
-        if (t < ctx) a = kv_int8 ? (int8_to_bf16(rows[t], wide, D), wide) : rows[t];
-        if (t + 1 < ctx) b = kv_int8 ? (int8_to_bf16(rows[t + 1], wide + D, D), wide + D) : rows[t + 1];
-        for (int64_t d = 0; d < D; d += 16) {
-            const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + d))) : _mm512_setzero_si512();
-            const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + d))) : _mm512_setzero_si512();
-            _mm512_storeu_si512(vt + t / 2 * D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-        }
-    }
-}
-
 int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_int8,
                        const int64_t *tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
                        const int64_t *ctx_lens, int64_t S, uint16_t *out, int64_t H, int64_t KVH, int64_t D,
@@ -281,17 +264,17 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
     if (D % 64) return 0;
     const int64_t G = H / KVH, pairs = D / 2, row_bytes = kv_row_bytes(D, kv_int8);
     const int64_t tokens = G >= 24 ? 1 : 24 / G; /* a tile's tokens: up to 24 query rows */
-    /* the values in pairs of keys for AMX tiles, where they run */
-    const int amx_values = decode_scores_use_amx(-1) && D % 64 == 0;
+    const int amx_values = decode_scores_use_amx(-1); /* the values in pairs of keys for AMX tiles, where they run */
     /* where each (sequence, KV head)'s transposed keys and paired values start, and each sequence's first item */
     int64_t *kt_at = malloc(sizeof(int64_t) * (size_t)(S + 1) * 3), *item_at = kt_at + S + 1, *vt_at = item_at + S + 1;
     kt_at[0] = item_at[0] = vt_at[0] = 0;
     for (int64_t s = 0; s < S; s++) {
         kt_at[s + 1] = kt_at[s] + (ctx_lens[s] + 15) / 16 * 16 * pairs * KVH;
         item_at[s + 1] = item_at[s] + (q_lens[s] + tokens - 1) / tokens * KVH;
-        vt_at[s + 1] = vt_at[s] + (amx_values ? (ctx_lens[s] + 31) / 32 * 16 * D * KVH : 0);
+        vt_at[s + 1] = vt_at[s] + (amx_values ? prefill_pair_words(ctx_lens[s], D) * KVH : 0);
     }
-    uint32_t *kt = malloc(sizeof(uint32_t) * (size_t)kt_at[S]), *vt = amx_values ? malloc(sizeof(uint32_t) * (size_t)vt_at[S]) : NULL;
+    uint32_t *kt = malloc(sizeof(uint32_t) * (size_t)kt_at[S]);
+    uint32_t *vt = amx_values ? malloc(sizeof(uint32_t) * (size_t)vt_at[S]) : NULL;
     float *k_scales = kv_int8 ? malloc(sizeof(float) * (size_t)(kt_at[S] / pairs)) : NULL; /* per transposed key */
     int64_t longest = 1; /* context */
     for (int64_t s = 0; s < S; s++) longest = ctx_lens[s] > longest ? ctx_lens[s] : longest;
@@ -334,7 +317,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
             if (vt) {
                 row_pointers((const char *)v_cache + h * row_bytes, tables + s * max_blocks, ctx, block_size,
                              KVH * row_bytes, keys);
-                pair_values(keys, ctx, D, kv_int8, key_bf16, vt + vt_at[s] + h * ((ctx + 31) / 32) * 16 * D);
+                prefill_pair_values(keys, ctx, D, kv_int8, key_bf16, vt + vt_at[s] + h * prefill_pair_words(ctx, D));
             }
         }
         _Pragma("omp for schedule(dynamic)")
@@ -365,7 +348,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
             }
             for (int64_t r = 0; r < rows; r++) orows[r] = out + ((q_starts[s] + first + r / G) * H + h * G + r % G) * D;
             if (vt && prefill_values_amx(scores, rows, stride, pos0 + 1, G,
-                                         vt + vt_at[s] + h * ((ctx + 31) / 32) * 16 * D, D, orows, pbuf, acc))
+                                         vt + vt_at[s] + h * prefill_pair_words(ctx, D), D, orows, pbuf, acc))
                 continue;
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
                 row_pointers((const char *)v_cache + h * row_bytes + d0 * (kv_int8 ? 1 : 2), tables + s * max_blocks,
