@@ -89,15 +89,15 @@ def test_on_amx_cpus_the_rows_past_pair_rows_go_to_the_tile_unit(rows, with_bias
         assert torch.equal(got, native.gemm_pairs(x, layer.pair_weight, 96, bias, amx=True))
 
 
-@pytest.mark.parametrize("pair_rows", [1, PAIR_MAX_ROWS])  # 1: on AMX CPUs 2 to 64 rows go to the tile unit
-def test_within_rows_alike_each_row_is_computed_as_it_is_alone(pair_rows):
+@pytest.mark.parametrize("kept_rows", [1, PAIR_MAX_ROWS])  # 1: on AMX CPUs 2 to 64 rows go to the tile unit
+def test_within_rows_alike_each_row_is_computed_as_it_is_alone(kept_rows):
     """A speculative step's verified rows must get plain decoding's one-row logits, bit for bit."""
     if not small_gemm_runs_here():
         pytest.skip("no small-GEMM kernel here: oneDNN takes every product")
-    torch.manual_seed(pair_rows)
+    torch.manual_seed(kept_rows)
     weight, bias = torch.randn(96, 64).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
     x = torch.randn(20, 64).to(torch.bfloat16)
-    layer = PackedLinear(weight, bias, pair_rows=pair_rows)
+    layer = PackedLinear(weight, bias, pair_rows=kept_rows)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(20)])
     with rows_alike():
         together = layer(x)
