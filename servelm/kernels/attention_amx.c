@@ -35,9 +35,10 @@ static inline void prefetch_block(const void *head, const int64_t *table, int64_
         for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(rows + i * stride + b, _MM_HINT_T0);
 }
 
-/* The tile's keys that are the sequence's (t0 + i < len): the rest are a block's unused slots, stale. */
+/* The 16 keys from t0 that are among the first len (t0 + i < len): the rest are a block's unused slots, stale,
+ * or keys a row does not see. */
 static inline __mmask16 valid_keys(int64_t t0, int64_t len) {
-    return len - t0 >= 16 ? 0xffff : (__mmask16)((1u << (len - t0)) - 1);
+    return len - t0 >= 16 ? 0xffff : len > t0 ? (__mmask16)((1u << (len - t0)) - 1) : 0;
 }
 
 /* The indices of column r of a tile of 16 x 16 32-bit sums, for a gather: row i's at 16 i + r. */
@@ -167,11 +168,8 @@ int prefill_values_amx(const float *p, int64_t rows, int64_t stride, int64_t fir
     for (int64_t r = 0; r < padded; r++) { /* the weights in bfloat16, 0 past the keys each row sees */
         const int64_t seen = r < rows ? first_seen + r / G : 0;
         for (int64_t t = 0; t < width; t += 32) {
-            const int64_t lo = seen - t, hi = seen - t - 16;
-            const __mmask16 mlo = lo >= 16 ? 0xffff : lo > 0 ? (__mmask16)((1u << lo) - 1) : 0;
-            const __mmask16 mhi = hi >= 16 ? 0xffff : hi > 0 ? (__mmask16)((1u << hi) - 1) : 0;
-            const __m512 a = _mm512_maskz_loadu_ps(mlo, p + r * stride + t);
-            const __m512 b = _mm512_maskz_loadu_ps(mhi, p + r * stride + t + 16);
+            const __m512 a = _mm512_maskz_loadu_ps(valid_keys(t, seen), p + r * stride + t);
+            const __m512 b = _mm512_maskz_loadu_ps(valid_keys(t + 16, seen), p + r * stride + t + 16);
             _mm512_storeu_si512(pbuf + r * width + t, (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
     }
