@@ -8,7 +8,7 @@
 #include "w8a8.h"
 
 #ifdef W8A8_AMX
-/* A work item: up to 256 rows x 8 pairs of blocks (256 outputs). Its rows' tiles for one step (32 rows of K
+/* A work item: up to 256 rows x up to 8 pairs of blocks (256 outputs). Its rows' tiles for one step (32 rows of K
  * int8: 28 KiB at K = 896) stay in L1 while the item's 8 pairs of weight blocks (in L2) pass over them; each
  * weight block is read from beyond L2 once per 256 rows, each row once per 256 outputs. */
 #define AMX_BLOCK_ROWS 256
@@ -79,7 +79,10 @@ void w8a8_amx_gemm(const void *x, int64_t M, int64_t K, const int8_t *packed, st
     float *row_scales = malloc(sizeof(float) * (size_t)M);
     o.row_scales = row_scales;
     const int64_t pairs = (Np / 16 + 1) / 2, row_blocks = (Mp + AMX_BLOCK_ROWS - 1) / AMX_BLOCK_ROWS;
-    const int64_t pair_blocks = (pairs + AMX_BLOCK_PAIRS - 1) / AMX_BLOCK_PAIRS;
+    /* The pairs split evenly into blocks of up to AMX_BLOCK_PAIRS, as many as a multiple of the threads: a
+     * decoding step's one row block is shared out evenly (blocks of 8, 8 and 2 pairs left one of two threads
+     * 2 of the 18 pairs at N = 576, at about half the bytes per second of the other shapes). */
+    const int64_t pair_blocks = round_up((pairs + AMX_BLOCK_PAIRS - 1) / AMX_BLOCK_PAIRS, nthreads);
     _Pragma("omp parallel num_threads(nthreads)") {
     _Pragma("omp for schedule(static)")
     for (int64_t m = 0; m < M; m++)
@@ -91,9 +94,9 @@ void w8a8_amx_gemm(const void *x, int64_t M, int64_t K, const int8_t *packed, st
     for (int64_t rb = 0; rb < row_blocks; rb++)
         for (int64_t pb = 0; pb < pair_blocks; pb++) {
             const int64_t m_end = (rb + 1) * AMX_BLOCK_ROWS < M ? (rb + 1) * AMX_BLOCK_ROWS : M;
-            const int64_t p_end = (pb + 1) * AMX_BLOCK_PAIRS < pairs ? (pb + 1) * AMX_BLOCK_PAIRS : pairs;
+            const int64_t p_end = (pb + 1) * pairs / pair_blocks;
             for (int64_t m = rb * AMX_BLOCK_ROWS; m < m_end; m += AMX_ROWS)
-                for (int64_t p = pb * AMX_BLOCK_PAIRS; p < p_end; p++) {
+                for (int64_t p = pb * pairs / pair_blocks; p < p_end; p++) {
                     const int64_t n0 = p * 32;
                     const int8_t *w0 = packed + n0 * Kp, *w1 = n0 + 16 < Np ? w0 + 16 * Kp : NULL;
                     int32_t(*next)[64] = sums[prev.sums == sums[0]];
