@@ -22,6 +22,13 @@
 # makes of them (also printed): throughput and latency, each level against
 # the machine's limits, and memory.
 #
+# ROUNDS=N runs the whole list N times, round r starting at the list's r-th
+# server (so with N = the number of servers each runs first once: on a VM the
+# first is often the slowest of its kind), each round into $OUT/round-R/ with
+# its own table.md; then bench/compare_rounds.py prints $OUT/rounds.md: the
+# first server's throughput over each other's, and their TTFT p50 over its,
+# per round and the median.
+#
 # Servers: servelm (--dtype auto), servelm:bf16 (--dtype bfloat16),
 # servelm:fp32 (--dtype float32), servelm:int8 (--quantization int8),
 # servelm:w8a8 (--quantization w8a8), servelm:bf16-kv8 and servelm:w8a8-kv8 (the same
@@ -29,7 +36,7 @@
 # (F16 GGUF), llama_server:q8_0, transformers_serve. A peer that is not
 # installed is skipped with a note (install it: bench/peers/NAME.sh install).
 #
-# Env: OUT (default $CACHE/results/compare-SHAPE-DATE), NUM_PROMPTS (per level,
+# Env: OUT (default $CACHE/results/compare-SHAPE-DATE), ROUNDS (1), NUM_PROMPTS (per level,
 # default 64), CONCURRENCY (default 1,8,32), INPUT_LEN (128), OUTPUT_LEN (64),
 # WARMUP (requests before the first level, default 4), BENCH_ARGS (extra flags
 # for `servelm bench serve`), TOKENIZER (builds the prompts, so every server
@@ -57,6 +64,7 @@ CONCURRENCY=${CONCURRENCY:-1,8,32}
 INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 WARMUP=${WARMUP:-4}
+ROUNDS=${ROUNDS:-1}
 TOKENIZER=${TOKENIZER:-smollm2-135m-instruct}
 IDLE_SECONDS=${IDLE_SECONDS:-5}
 PY=$REPO_ROOT/.venv/bin/python
@@ -105,7 +113,9 @@ log "measuring the machine's limits (bench/machine_limits.py)"
 "$PY" "$BENCH_DIR/machine_limits.py" --json "$OUT/meta/limits.json" ${LIMITS_ARGS:-} ||
     log "the limits were not measured; the table against them is left out"
 
-for server in "${SERVERS[@]}"; do
+# One server: started, its memory sampled, loaded, stopped; results in $2.
+run_server() {
+    local server=$1 dir=$2 peer variant script label port memory pid variant_env
     peer=${server%%:*}
     variant=${server#"$peer"}
     variant=${variant#:}
@@ -113,11 +123,11 @@ for server in "${SERVERS[@]}"; do
     label=${peer//_/-}${variant:+-$variant}
     if [[ ! -x $script ]]; then
         log "skipping $server: no $script"
-        continue
+        return
     fi
     if ! "$script" available; then
         log "skipping $server: not installed (run: $script install)"
-        continue
+        return
     fi
     # A variant is one more env var for the peer script's start.
     variant_env=()
@@ -131,14 +141,15 @@ for server in "${SERVERS[@]}"; do
     llama_server:?*) variant_env=("LLAMA_MODEL=$variant") ;;
     *:?*)
         log "skipping $server: unknown variant"
-        continue
+        return
         ;;
     esac
     port=$(free_port)
     log "=== $label on port $port ==="
+    echo "$label" >>"$dir/order"
     CURRENT=$script
     if env "${variant_env[@]}" "$script" start "$port"; then
-        memory=$OUT/meta/memory-$label.json
+        memory=$dir/meta/memory-$label.json
         rm -f "$memory"
         pid=$("$script" pid)
         "$PY" "$BENCH_DIR/process_memory.py" "$pid" --phase idle --seconds "$IDLE_SECONDS" --out "$memory" ||
@@ -150,13 +161,35 @@ for server in "${SERVERS[@]}"; do
         servelm_clean bench serve --base-url "http://127.0.0.1:$port" --model "$SERVED_MODEL_NAME" \
             --endpoint chat --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
             --num-prompts "$NUM_PROMPTS" --concurrency "$CONCURRENCY" --warmup "$WARMUP" \
-            --tokenizer "$TOKENIZER" --result-json "$OUT/$label.json" ${BENCH_ARGS:-} ||
+            --tokenizer "$TOKENIZER" --result-json "$dir/$label.json" ${BENCH_ARGS:-} ||
             log "$label: the benchmark failed; see above"
     else
         log "$label did not start; its log is in $RUN_DIR"
     fi
     stop_current
-done
+}
+
+if [[ $ROUNDS -eq 1 ]]; then
+    for server in "${SERVERS[@]}"; do run_server "$server" "$OUT"; done
+else
+    # Round r starts at the r-th server of the list and wraps around: whichever runs first in a round
+    # (often the slowest of its kind on a VM) differs from round to round.
+    for ((round = 1; round <= ROUNDS; round++)); do
+        dir=$OUT/round-$round
+        mkdir -p "$dir/meta"
+        cp "$OUT/meta/"*.json "$dir/meta/" 2>/dev/null || true
+        log "=== round $round of $ROUNDS ==="
+        for ((i = 0; i < ${#SERVERS[@]}; i++)); do
+            run_server "${SERVERS[(i + round - 1) % ${#SERVERS[@]}]}" "$dir"
+        done
+        if compgen -G "$dir/*.json" >/dev/null; then
+            "$PY" "$BENCH_DIR/compare_table.py" "$dir" >"$dir/table.md"
+        fi
+    done
+    "$PY" "$BENCH_DIR/compare_rounds.py" "$OUT"/round-* | tee "$OUT/rounds.md"
+    log "results in $OUT (each round's in round-N/, with its table.md)"
+    exit 0
+fi
 
 if compgen -G "$OUT/*.json" >/dev/null; then
     "$PY" "$BENCH_DIR/compare_table.py" "$OUT" | tee "$OUT/table.md"
