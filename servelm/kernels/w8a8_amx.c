@@ -10,7 +10,7 @@
 #ifdef W8A8_AMX
 /* A work item: up to 256 rows x up to 8 pairs of blocks (256 outputs). Its rows' tiles for one step (32 rows of K
  * int8: 28 KiB at K = 896) stay in L1 while the item's 8 pairs of weight blocks (in L2) pass over them; each
- * weight block is read from beyond L2 once per 256 rows, each row once per 256 outputs. */
+ * weight block is read from beyond L2 once per 256 rows, each row once per item's outputs. */
 #define AMX_BLOCK_ROWS 256
 #define AMX_BLOCK_PAIRS 8
 

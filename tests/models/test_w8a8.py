@@ -99,8 +99,8 @@ def test_the_packed_layout_is_made_where_the_kernel_runs(native_kernels):
 
 
 # Rows around AMX's steps (8 the first it takes, 16 one tile, 32 two) and past one 256-row work item; outputs
-# in an odd number of 16-blocks (the last step has one), in fewer pairs of blocks than threads (12), past one
-# 256-output work item, and split into blocks of uneven sizes (18 pairs at 576: 4, 5, 4, 5 on two threads);
+# in an odd number of 16-blocks (the last step has one), in fewer pairs of blocks than threads (12), in more
+# than one work item (300), and split into items of uneven sizes (18 pairs at 576: 4, 5, 4, 5 on two threads);
 # inputs not a multiple of 64 (a tile's row).
 AMX_SHAPES = [(7, 64, 32), (8, 37, 12), (16, 101, 33), (17, 64, 70), (33, 576, 200), (300, 100, 300), (32, 64, 576)]
 
