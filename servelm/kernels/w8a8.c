@@ -17,8 +17,8 @@
  * int32 compensations, and N and K as int32. A tile of up to TILE_ROWS rows x TILE_BLOCKS blocks of
  * 16 outputs keeps its sums in registers, each row's 4 bytes broadcast
  * against each block's vector; threads split the outputs into panels of
- * TILE_BLOCKS blocks (a panel's weights stay in the core's L2 while every
- * row passes over them). Elsewhere w8a8_supported() is 0 and callers keep
+ * up to TILE_BLOCKS blocks, evenly (a panel's weights stay in the core's L2
+ * while every row passes over them). Elsewhere w8a8_supported() is 0 and callers keep
  * PyTorch's path. Built at first use by servelm/kernels.
  *
  * On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) the same packed
@@ -158,7 +158,12 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
     uint8_t *q = aligned_alloc(64, (size_t)round_up(M * Kp, 64));
     float *row_scales = malloc(sizeof(float) * (size_t)M);
     o.row_scales = row_scales;
-    const int64_t panels = (Np / 16 + TILE_BLOCKS - 1) / TILE_BLOCKS, chunks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    /* The output blocks (in gate/up pairs for silu) split evenly into panels of up to TILE_BLOCKS; with one
+     * chunk of rows (decoding) as many panels as a multiple of the threads, so that each gets the same share
+     * (9 panels of 4 at N = 576 went 5 and 4 to two threads). */
+    const int64_t chunks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS, unit = o.silu ? 2 : 1, units = Np / 16 / unit;
+    int64_t panels = (Np / 16 + TILE_BLOCKS - 1) / TILE_BLOCKS;
+    if (chunks == 1) panels = round_up(panels, nthreads);
     /* One parallel region for both loops: on a busy machine each region's start waits until every thread
      * is scheduled again, which can cost more than the GEMM itself. */
     _Pragma("omp parallel num_threads(nthreads)") {
@@ -167,9 +172,10 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
     _Pragma("omp for collapse(2) schedule(static) nowait") /* the region's end waits */
     for (int64_t p = 0; p < panels; p++)
         for (int64_t c = 0; c < chunks; c++) {
-            const int64_t n0 = p * TILE_BLOCKS * 16, m0 = c * CHUNK_ROWS;
-            const int64_t blocks = (Np - n0) / 16 < TILE_BLOCKS ? (Np - n0) / 16 : TILE_BLOCKS;
+            const int64_t u0 = p * units / panels, blocks = ((p + 1) * units / panels - u0) * unit;
+            const int64_t n0 = u0 * unit * 16, m0 = c * CHUNK_ROWS;
             const int64_t rows = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
+            if (blocks == 0) continue; /* more panels than blocks */
             const int8_t *w = packed + n0 * Kp;
             int32_t sums[TILE_ROWS][64] __attribute__((aligned(64)));
             for (int64_t m = m0; m < m0 + rows; m += TILE_ROWS) {
