@@ -89,8 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     rounds = [collect([folder]) for folder in folders]
     orders = [run_order(folder) for folder in folders]
     reference = args.reference or next((order[0] for order in orders if order), None)
-    if reference is None or not any(reference in results for results in rounds):
-        print(f"no results of the reference {reference!r} in {', '.join(map(str, folders))}", file=sys.stderr)
+    where = ", ".join(map(str, folders))
+    if reference is None:
+        print(f"no server ran in {where} (no {ORDER_FILE} file names one)", file=sys.stderr)
+        return 1
+    if not any(reference in results for results in rounds):
+        print(f"no results of the reference {reference!r} in {where}", file=sys.stderr)
         return 1
     for folder, order in zip(folders, orders):
         print(f"- {folder.name}: {', '.join(order) if order else '(no order file)'}")

@@ -85,3 +85,9 @@ def test_without_the_references_results_it_says_so_and_fails(
     _round(tmp_path / "round-1", ["a"], {"b": [_level(32, 100.0, 10.0)]})
     assert compare_rounds.main([str(tmp_path / "round-1")]) == 1
     assert "no results of the reference 'a'" in capsys.readouterr().err
+
+
+def test_rounds_in_which_no_server_ran_say_so_and_fail(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "round-1").mkdir()  # compare.sh skipped every server: no order file, no results
+    assert compare_rounds.main([str(tmp_path / "round-1")]) == 1
+    assert "no server ran in" in capsys.readouterr().err
