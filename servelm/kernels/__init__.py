@@ -29,9 +29,10 @@
   tiles, and the tile configuration.
 - ``w8a8.c``: an int8 x int8 GEMM for ``--quantization w8a8`` on AVX512-VNNI
   CPUs (``vpdpbusd``), and on AMX-INT8 tiles (``tdpbssd``, ``w8a8_amx.c``)
-  from 8 rows where the CPU has them (``w8a8.h``: what both share): each row of the activations rounded to int8 on the fly,
-  the weights packed once at load (one layout serves both), int32 sums
-  scaled back once per output (``bench/w8a8_gemm.py``).
+  from 8 rows where the CPU has them (``w8a8.h``: what both share): each row
+  of the activations rounded to int8 on the fly, the weights packed once at
+  load (one layout serves both), int32 sums scaled back once per output
+  (``bench/w8a8_gemm.py``).
 - ``decode_one.c``: a whole decoding step of a Llama-family model for one
   sequence in one call, running the kernels above layer after layer: with one
   token in flight the Python around a few hundred small calls a step costs
