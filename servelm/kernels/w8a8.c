@@ -18,8 +18,8 @@
  * 16 outputs keeps its sums in registers, each row's 4 bytes broadcast
  * against each block's vector; threads split the outputs into panels of
  * up to TILE_BLOCKS blocks, evenly (a panel's weights stay in the core's L2
- * while every row passes over them). Elsewhere w8a8_supported() is 0 and callers keep
- * PyTorch's path. Built at first use by servelm/kernels.
+ * while every row passes over them, and they prefetch the next panel's).
+ * Elsewhere w8a8_supported() is 0 and callers keep PyTorch's path. Built at first use by servelm/kernels.
  *
  * On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) the same packed
  * weight feeds the tile unit instead: a B tile is 16 rows of 64 bytes, each
@@ -110,31 +110,44 @@ void w8a8_pack(const int8_t *w, int64_t N, int64_t K, int8_t *packed, int nthrea
 }
 
 #ifdef W8A8_VNNI
-/* The int32 sums of ROWS rows of q x BLOCKS blocks of 16 outputs, into sums[r][16 * b + j]. Each (ROWS,
- * BLOCKS) is its own small function (tile_R_B below), so that its 24 sums get registers of their own. */
+static inline __attribute__((always_inline)) void tile_step(const uint8_t *q, int64_t Kp, const int8_t *w,
+                                                           int64_t k4, __m512i *acc, int ROWS, int BLOCKS) {
+    __m512i wv[TILE_BLOCKS];
+    UNROLL for (int b = 0; b < BLOCKS; b++) wv[b] = _mm512_loadu_si512(w + b * 16 * Kp + k4 * 64);
+    UNROLL for (int r = 0; r < ROWS; r++) {
+        int32_t four;
+        memcpy(&four, q + r * Kp + 4 * k4, sizeof four);
+        const __m512i xv = _mm512_set1_epi32(four);
+        UNROLL for (int b = 0; b < BLOCKS; b++) acc[r * BLOCKS + b] = _mm512_dpbusd_epi32(acc[r * BLOCKS + b], xv, wv[b]);
+    }
+}
+
+/* The int32 sums of ROWS rows of q x BLOCKS blocks of 16 outputs, into sums[r][16 * b + j], prefetching the
+ * pf_bytes at pf into L2 meanwhile, pf_lines lines a step of K. Each (ROWS, BLOCKS) is its own small function
+ * (tile_R_B below), so that its 24 sums get registers of their own. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t Kp, const int8_t *w,
-                                                      int32_t (*sums)[64], int ROWS, int BLOCKS) {
+                                                      int32_t (*sums)[64], const char *pf, int64_t pf_bytes,
+                                                      int64_t pf_lines, int ROWS, int BLOCKS) {
     __m512i acc[TILE_ROWS * TILE_BLOCKS];
     UNROLL for (int i = 0; i < ROWS * BLOCKS; i++) acc[i] = _mm512_setzero_si512();
-    for (int64_t k4 = 0; k4 < Kp / 4; k4++) {
-        __m512i wv[TILE_BLOCKS];
-        UNROLL for (int b = 0; b < BLOCKS; b++) wv[b] = _mm512_loadu_si512(w + b * 16 * Kp + k4 * 64);
-        UNROLL for (int r = 0; r < ROWS; r++) {
-            int32_t four;
-            memcpy(&four, q + r * Kp + 4 * k4, sizeof four);
-            const __m512i xv = _mm512_set1_epi32(four);
-            UNROLL for (int b = 0; b < BLOCKS; b++) acc[r * BLOCKS + b] = _mm512_dpbusd_epi32(acc[r * BLOCKS + b], xv, wv[b]);
-        }
+    const int64_t steps = Kp / 4, lines = (pf_bytes + 63) / 64;
+    int64_t k4 = 0;
+    for (; k4 < steps && k4 * pf_lines < lines; k4++) { /* the steps that prefetch, then the rest without */
+        for (int64_t line = k4 * pf_lines; line < (k4 + 1) * pf_lines && line < lines; line++)
+            _mm_prefetch(pf + line * 64, _MM_HINT_T1);
+        tile_step(q, Kp, w, k4, acc, ROWS, BLOCKS);
     }
+    for (; k4 < steps; k4++) tile_step(q, Kp, w, k4, acc, ROWS, BLOCKS);
     UNROLL for (int r = 0; r < ROWS; r++)
         UNROLL for (int b = 0; b < BLOCKS; b++) _mm512_storeu_si512(sums[r] + 16 * b, acc[r * BLOCKS + b]);
 }
 
-typedef void (*tile_fn)(const uint8_t *, int64_t, const int8_t *, int32_t (*)[64]);
+typedef void (*tile_fn)(const uint8_t *, int64_t, const int8_t *, int32_t (*)[64], const char *, int64_t, int64_t);
 #define TILE_FN(R, B)                                                                                            \
     static __attribute__((noinline)) void tile_##R##_##B(const uint8_t *q, int64_t Kp, const int8_t *w,        \
-                                                         int32_t (*sums)[64]) {                                  \
-        tile(q, Kp, w, sums, R, B);                                                                              \
+                                                         int32_t (*sums)[64], const char *pf, int64_t bytes,     \
+                                                         int64_t lines) {                                        \
+        tile(q, Kp, w, sums, pf, bytes, lines, R, B);                                                            \
     }
 #define TILE_FNS(R) TILE_FN(R, 1) TILE_FN(R, 2) TILE_FN(R, 3) TILE_FN(R, 4)
 TILE_FNS(1) TILE_FNS(2) TILE_FNS(3) TILE_FNS(4) TILE_FNS(5) TILE_FNS(6)
@@ -177,10 +190,21 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
             const int64_t rows = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
             if (blocks == 0) continue; /* more panels than blocks */
             const int8_t *w = packed + n0 * Kp;
+            /* Decoding (one chunk of rows) streams the weights from memory once a call: while a panel's tiles
+             * multiply, each prefetches an even share of the next panel's weights (most likely this thread's
+             * next item) into L2, a line or more a step of K. Against none, 32 rows from memory ran 1.1-1.4x
+             * (`bench/w8a8_gemm.py --copies 24`, Zen 5); all of it in the first tile gained nothing. */
+            const int64_t after = Np / 16 - n0 / 16 - blocks; /* blocks after this panel's */
+            const int64_t pf_bytes = chunks == 1 ? (after < blocks ? after : blocks) * 16 * Kp : 0;
+            const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+            const int64_t share = round_up((pf_bytes + tiles - 1) / tiles, 64);
+            const int64_t lines = (share / 64 + Kp / 4 - 1) / (Kp / 4); /* a step of K */
             int32_t sums[TILE_ROWS][64] __attribute__((aligned(64)));
-            for (int64_t m = m0; m < m0 + rows; m += TILE_ROWS) {
+            for (int64_t m = m0, t = 0; m < m0 + rows; m += TILE_ROWS, t++) {
                 const int r = M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS;
-                TILES[r - 1][blocks - 1](q + m * Kp, Kp, w, sums);
+                const int64_t left = pf_bytes - t * share;
+                const char *pf = left > 0 ? (const char *)(w + 16 * blocks * Kp + t * share) : NULL;
+                TILES[r - 1][blocks - 1](q + m * Kp, Kp, w, sums, pf, left < share ? left : share, lines);
                 scale_out(sums, r, 16 * blocks, m, n0, &o);
             }
         }
