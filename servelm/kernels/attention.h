@@ -34,6 +34,37 @@ static inline void row_pointers(const void *base, const int64_t *table, int64_t 
     }
 }
 
+/* Prefetches into L2 over the first `bytes` of rows 0..len of one item's part of the cache (row t at base +
+ * (token t's slot) * row_bytes), handed out a few lines at a time between a kernel's steps, so that memory
+ * keeps busy while the core computes instead of the two taking turns. */
+struct prefetch_stream {
+    const char *base;
+    const int64_t *table;
+    int64_t block_size, row_bytes, bytes, len;
+    int64_t t, offset; /* the next line: row t, at offset */
+};
+
+static inline struct prefetch_stream prefetch_stream(const void *base, const int64_t *table, int64_t block_size,
+                                                     int64_t row_bytes, int64_t bytes, int64_t len) {
+    return (struct prefetch_stream){(const char *)base, table, block_size, row_bytes, bytes, len, 0, 0};
+}
+
+/* The stream's lines, and how many of them each of `steps` steps asks for to have them all asked for. */
+static inline int64_t stream_lines_per(const struct prefetch_stream *s, int64_t steps) {
+    const int64_t lines = s->len * ((s->bytes + 63) / 64);
+    return steps > 0 ? (lines + steps - 1) / steps : lines;
+}
+
+/* The next n lines of s (none once it is done, or where s is NULL). */
+static inline void stream_prefetch(struct prefetch_stream *s, int64_t n) {
+    if (!s) return;
+    for (; n > 0 && s->t < s->len; n--) {
+        const int64_t slot = s->table[s->t / s->block_size] * s->block_size + s->t % s->block_size;
+        __builtin_prefetch(s->base + slot * s->row_bytes + s->offset, 0, 2); /* prefetcht1: into L2 */
+        if ((s->offset += 64) >= s->bytes) s->offset = 0, s->t++;
+    }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define ATTENTION_AVX512BF16 1 /* bf16.h brings immintrin.h */
 
@@ -72,11 +103,13 @@ static inline void int8_to_bf16(const int8_t *src, uint16_t *dst, int64_t D) {
  * at out + r * out_stride. */
 static inline __attribute__((always_inline)) void weighted_rows(const float *p, int64_t len, int64_t p_stride,
                                                                const void **v_rows, int ROWS, int INT8,
-                                                               uint16_t *out, int64_t out_stride) {
+                                                               uint16_t *out, int64_t out_stride,
+                                                               struct prefetch_stream *ahead, int64_t per_row) {
     __m512 acc[4][4];
     for (int r = 0; r < ROWS; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
+        stream_prefetch(ahead, per_row);
         __m512 v[4];
         for (int i = 0; i < 4; i++)
             v[i] = INT8 ? widen16_int8((const int8_t *)v_rows[t] + 16 * i) : widen16((const uint16_t *)v_rows[t] + 16 * i);
@@ -90,12 +123,14 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *p, 
             _mm256_storeu_si256((__m256i *)(out + r * out_stride + 16 * i), (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
 }
 
-/* weighted_rows for a run-time count of rows (1..4): query heads of one token, D apart. */
+/* weighted_rows for a run-time count of rows (1..4): query heads of one token, D apart; per_row lines of
+ * `ahead` (or NULL) prefetched a V row. */
 static inline void weighted_heads(const float *p, int64_t len, int64_t p_stride, const void **v_rows, int64_t rows,
-                                  int int8, uint16_t *out, int64_t D) {
+                                  int int8, uint16_t *out, int64_t D, struct prefetch_stream *ahead,
+                                  int64_t per_row) {
 #define WEIGHTED_CASE(n)                                                                           \
-    if (int8) weighted_rows(p, len, p_stride, v_rows, n, 1, out, D);                               \
-    else weighted_rows(p, len, p_stride, v_rows, n, 0, out, D);                                    \
+    if (int8) weighted_rows(p, len, p_stride, v_rows, n, 1, out, D, ahead, per_row);               \
+    else weighted_rows(p, len, p_stride, v_rows, n, 0, out, D, ahead, per_row);                    \
     break;
     switch (rows) {
         case 1: WEIGHTED_CASE(1)
@@ -119,8 +154,9 @@ static inline void scale_columns(float *p, int64_t n, int64_t stride, const floa
 
 /* paged_attention.c's decode scores of one item (rows query heads at q, G per KV head, against the KV heads
  * from h0 of a bfloat16 cache of KVH heads): scores[r * len + t] = scale * q_r . k_t, on AMX tiles where
- * they run. keys: room for len pointers. 0 where D is not a multiple of 32. */
+ * they run. keys: room for len pointers; ahead (or NULL): lines to prefetch meanwhile, spread over the
+ * keys. 0 where D is not a multiple of 32. */
 int decode_scores_bf16(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
                        int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
-                       float *scores, const void **keys);
+                       float *scores, const void **keys, struct prefetch_stream *ahead);
 #endif

@@ -96,7 +96,7 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
                         int8_to_bf16(key, staged + (t * heads + hh) * D, D);
                         k_scales[hh * len + t] = int8_row_scale(key, D);
                     }
-                decode_scores_bf16(qb, rows, G, D, staged, heads, 0, blocks, 16, len, scale, scores, row_at);
+                decode_scores_bf16(qb, rows, G, D, staged, heads, 0, blocks, 16, len, scale, scores, row_at, NULL);
                 for (int64_t hh = 0; hh < heads; hh++) scale_columns(scores + hh * G * len, G, len, k_scales + hh * len, len);
             }
             for (int64_t r = 0; r < rows; r++) softmax_(scores + r * len, len);
@@ -110,7 +110,7 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
                     }
                     for (int64_t r0 = 0; r0 < G; r0 += 4)
                         weighted_heads(scores + (hh * G + r0) * len, len, len, row_at, G - r0 < 4 ? G - r0 : 4, 1,
-                                       out + (b * H + (h0 + hh) * G + r0) * D + d0, D);
+                                       out + (b * H + (h0 + hh) * G + r0) * D + d0, D, NULL, 0);
                 }
         }
         free(scores);

@@ -65,14 +65,17 @@ static inline __attribute__((always_inline)) __m512 dot_bf16(const uint16_t *a, 
  * constant where this is inlined for 64-dim heads. */
 static inline __attribute__((always_inline)) void scores_rows(const uint16_t *q, int64_t rows, int64_t G, int64_t D,
                                                              const void **keys, int64_t len, float scale,
-                                                             float *scores) {
+                                                             float *scores, struct prefetch_stream *ahead) {
+    const int64_t per_chunk = ahead ? stream_lines_per(ahead, len / 16) : 0;
     int64_t t0 = 0;
-    for (; t0 + 16 <= len; t0 += 16)
+    for (; t0 + 16 <= len; t0 += 16) {
+        stream_prefetch(ahead, per_chunk);
         for (int64_t r = 0; r < rows; r++) {
             __m512 parts[16];
             for (int j = 0; j < 16; j++) parts[j] = dot_bf16(q + r * D, (const uint16_t *)keys[t0 + j] + (r / G) * D, D);
             _mm512_storeu_ps(scores + r * len + t0, _mm512_mul_ps(lane_sums16(parts), _mm512_set1_ps(scale)));
         }
+    }
     for (; t0 < len; t0++)
         for (int64_t r = 0; r < rows; r++)
             scores[r * len + t0] = scale * _mm512_reduce_add_ps(dot_bf16(q + r * D, (const uint16_t *)keys[t0] + (r / G) * D, D));
@@ -81,15 +84,15 @@ static inline __attribute__((always_inline)) void scores_rows(const uint16_t *q,
 /* The item's scores: its query heads (contiguous at q) against its KV heads from h0 (attention.h). */
 int decode_scores_bf16(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
                        int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
-                       float *scores, const void **keys) {
+                       float *scores, const void **keys, struct prefetch_stream *ahead) {
     if (D % 32) return 0;
     if (decode_scores_amx(q, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores)) return 1;
     row_pointers(k_cache + h0 * D, table, len, block_size, KVH * D * (int64_t)sizeof(uint16_t), keys);
     prefetch_rows(keys, len, rows / G * D * (int64_t)sizeof(uint16_t)); /* all of the item's heads, first */
     if (D == 64)
-        scores_rows(q, rows, G, 64, keys, len, scale, scores);
+        scores_rows(q, rows, G, 64, keys, len, scale, scores, ahead);
     else
-        scores_rows(q, rows, G, D, keys, len, scale, scores);
+        scores_rows(q, rows, G, D, keys, len, scale, scores, ahead);
     return 1;
 }
 
@@ -97,8 +100,9 @@ int decode_scores_bf16(const uint16_t *q, int64_t rows, int64_t G, int64_t D, co
  * bfloat16; each V row is widened once for all the query heads that read it. v_rows: room for len pointers. */
 static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const uint16_t *v_cache, int64_t KVH,
                        int64_t h0, const int64_t *table, int64_t block_size, int64_t len, uint16_t *out,
-                       const void **v_rows) {
+                       const void **v_rows, struct prefetch_stream *ahead) {
     if (D % 64) return 0;
+    const int64_t per_row = ahead ? stream_lines_per(ahead, rows / G * (D / 64) * ((G + 3) / 4) * len) : 0;
     for (int64_t h = 0; h < rows / G; h++)
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
             row_pointers(v_cache + (h0 + h) * D + d0, table, len, block_size, KVH * D * (int64_t)sizeof(uint16_t),
@@ -107,7 +111,7 @@ static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const
             for (int64_t r0 = 0; r0 < G; r0 += 4) { /* up to 4 query heads x 64 dims: 16 accumulators */
                 const float *pr = p + (h * G + r0) * len;
                 uint16_t *o = out + (h * G + r0) * D + d0;
-                weighted_heads(pr, len, len, v_rows, G - r0 < 4 ? G - r0 : 4, 0, o, D);
+                weighted_heads(pr, len, len, v_rows, G - r0 < 4 ? G - r0 : 4, 0, o, D, ahead, per_row);
             }
         }
     return 1;
@@ -129,7 +133,8 @@ static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const
  * A work item is one sequence and a range of its KV heads: all of them when
  * there are at least as many sequences as threads, one otherwise. Within an
  * item the keys (then the values) are read token by token across the item's
- * heads, so each cache block is streamed once, in order. */
+ * heads, so each cache block is streamed once, in order; the vector path
+ * prefetches the values and the next item's keys while it computes. */
 #define DEFINE_DECODE(NAME, T, LOAD, STORE, SCORES, VALUES)                                                      \
 void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int64_t *tables, int64_t max_blocks, \
           const int64_t *lens, T *out, int64_t B, int64_t H, int64_t KVH, int64_t D,              \
@@ -138,8 +143,9 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
     const int64_t split = B >= nthreads ? 1 : KVH; /* items per sequence */                      \
     const int64_t heads = KVH / split;             /* KV heads per item */                        \
     const int64_t rows = heads * G;                /* an item's query heads */                    \
-    const int64_t block_bytes = block_size * KVH * D * (int64_t)sizeof(T);                        \
-    int64_t longest = 1;                                                                          \
+    const int64_t row_bytes = KVH * D * (int64_t)sizeof(T), block_bytes = block_size * row_bytes; \
+    const int64_t items = B * split, bytes = heads * D * (int64_t)sizeof(T); /* an item's of a row */ \
+    int64_t longest = 1, claimed = 0; /* items handed out: a thread claims its next one a step ahead */ \
     for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;              \
     _Pragma("omp parallel num_threads(nthreads)") {                                               \
     /* one workspace per thread, for its longest item: malloc per item cost more than short items \
@@ -148,14 +154,22 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
                        sizeof(const void *) * (size_t)longest);                                   \
     float *acc = qf + rows * D, *scores = acc + rows * D;                                         \
     const void **row_at = (const void **)(scores + rows * longest);                               \
-    _Pragma("omp for schedule(dynamic)")                                                          \
-    for (int64_t item = 0; item < B * split; item++) {                                            \
-        const int64_t b = item / split, h0 = (item % split) * heads;                              \
+    int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);                             \
+    while (next < items) {                                                                        \
+        const int64_t item = next, b = item / split, h0 = (item % split) * heads;                 \
         const int64_t len = lens[b];                                                              \
         const int64_t *table = tables + b * max_blocks;                                           \
+        next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);                                 \
+        /* While the scores are summed, this item's values come into L2, and while the values are, the   \
+         * next item's keys (on Zen 5, 32 sequences x 200 tokens from memory took 0.7x the time). */      \
+        const int64_t ahead = next < items ? next : item; /* none after the last: nothing to prefetch */  \
+        struct prefetch_stream values = prefetch_stream(v_cache + h0 * D, table, block_size, row_bytes, bytes, len), \
+                               keys = prefetch_stream(k_cache + (ahead % split) * heads * D,               \
+                                                      tables + ahead / split * max_blocks, block_size, row_bytes, \
+                                                      bytes, next < items ? lens[ahead / split] : 0);     \
         /* rows = the item's query heads, h0 * G .. (h0 + heads) * G - 1 */                       \
         if (!SCORES(q + b * q_stride + h0 * G * D, rows, G, D, k_cache, KVH, h0, table, block_size, len,\
-                    scale, scores, row_at)) {                                                      \
+                    scale, scores, row_at, &values)) {                                             \
             for (int64_t r = 0; r < rows; r++) {                                                  \
                 const T *qp = q + b * q_stride + (h0 * G + r) * D;                                \
                 _Pragma("omp simd")                                                               \
@@ -177,7 +191,7 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
         }                                                                                         \
         for (int64_t r = 0; r < rows; r++) softmax_(scores + r * len, len);                      \
         if (!VALUES(scores, rows, G, D, v_cache, KVH, h0, table, block_size, len,                 \
-                    out + (b * H + h0 * G) * D, row_at)) {                                        \
+                    out + (b * H + h0 * G) * D, row_at, &keys)) {                                 \
             memset(acc, 0, sizeof(float) * (size_t)(rows * D));                                   \
             for (int64_t t = 0; t < len; t++) {                                                   \
                 const int64_t slot = table[t / block_size] * block_size + t % block_size;         \
@@ -357,7 +371,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
                     for (int64_t g0 = 0; g0 < G; g0 += 4)
                         weighted_heads(scores + (i * G + g0) * stride, pos0 + i + 1, stride, v_rows,
                                        G - g0 < 4 ? G - g0 : 4, kv_int8,
-                                       out + ((q_starts[s] + first + i) * H + h * G + g0) * D + d0, D);
+                                       out + ((q_starts[s] + first + i) * H + h * G + g0) * D + d0, D, NULL, 0);
             }
         }
         free(scores);
