@@ -2,7 +2,9 @@
 
 Part 1 times one layer's decode attention at the model's head shapes for a few
 batch sizes and context lengths: the native paged kernel against gather + SDPA,
-with each path's largest difference from a float64 reference; then one layer's
+with each path's largest difference from a float64 reference (with --layers N,
+per layer over N layers' caches in turn, read from memory as a decoding step
+reads them rather than from the CPU's caches); then one layer's
 prefill attention in bfloat16 (fresh prompts and prompts behind a cached
 prefix), the native kernel against SDPA per prompt. Part 2 runs the
 engine on the same requests with all native kernels on and all off (attention,
@@ -12,6 +14,7 @@ prints output tokens/s and the ratio, for the whole batch and for batch 1.
 
     .venv/bin/python bench/kernels.py
     .venv/bin/python bench/kernels.py --num-prompts 32 --input-len 128 --output-len 128 --repeats 3
+    .venv/bin/python bench/kernels.py --layers 30 --skip-engine   # decode attention from memory
 """
 
 from __future__ import annotations
@@ -71,21 +74,29 @@ def layer_case(batch, context, heads, kv_heads, head_dim, dtype, block_size=16, 
     return run, kernels.reference_decode_attention(query, cache, tables, meta.decode_lens, scale)
 
 
-def part_layer(dtype: torch.dtype) -> None:
+def part_layer(dtype: torch.dtype, layers: int) -> None:
+    where = f"{layers} layers' caches in turn, from memory" if layers > 1 else "one cache, from the caches"
     print(
         f"one layer's decode attention, 9 heads / 3 KV heads x 64 (SmolLM2-135M), {dtype}, "
-        f"threads={torch.get_num_threads()}"
+        f"threads={torch.get_num_threads()}, {where}"
     )
     print(
         f"{'batch':>6s}{'context':>9s}{'pytorch us':>12s}{'native us':>11s}{'ratio':>8s}{'err pytorch':>13s}{'err native':>12s}"
     )
     for batch, context in [(1, 200), (1, 1000), (8, 200), (32, 100), (32, 200), (32, 500)]:
-        run, ref = layer_case(batch, context, 9, 3, 64, dtype)
+        cases = [layer_case(batch, context, 9, 3, 64, dtype, seed=seed) for seed in range(layers)]
+        run, ref = cases[0]
+        runs = [r for r, _ in cases]
+
+        def step(runs=runs):  # each layer's cache once, as a decoding step reads them
+            for r in runs:
+                r()
+
         native_err = (run().double() - ref).abs().max().item()
-        native = _median_us(run)
+        native = _median_us(step, calls=max(1, 30 // layers)) / layers
         with PYTORCH_PATH:
             torch_err = (run().double() - ref).abs().max().item()
-            pytorch = _median_us(run)
+            pytorch = _median_us(step, calls=max(1, 30 // layers)) / layers
         print(
             f"{batch:6d}{context:9d}{pytorch:12.1f}{native:11.1f}{pytorch / native:7.2f}x{torch_err:13.2e}{native_err:12.2e}"
         )
@@ -188,12 +199,19 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-engine", action="store_true", help="part 1 only")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="decode attention over this many layers' caches in turn (30: SmolLM2's, from memory as a model "
+        "step reads them; 1: one cache, which stays in the CPU's caches)",
+    )
     args = ap.parse_args()
     keep_freed_memory()  # as the engine does
     if kernels.cpu_kernels() is None:
         raise SystemExit("the native kernels are not available here (see the warning above)")
     for dtype in (torch.bfloat16, torch.float32):
-        part_layer(dtype)
+        part_layer(dtype, args.layers)
     part_prefill()
     if not args.skip_engine:
         part_engine(args)
