@@ -110,6 +110,7 @@ void w8a8_pack(const int8_t *w, int64_t N, int64_t K, int8_t *packed, int nthrea
 }
 
 #ifdef W8A8_VNNI
+/* One step of 4 of K: each row's 4 bytes broadcast against each block's vector, summed into acc. */
 static inline __attribute__((always_inline)) void tile_step(const uint8_t *q, int64_t Kp, const int8_t *w,
                                                            int64_t k4, __m512i *acc, int ROWS, int BLOCKS) {
     __m512i wv[TILE_BLOCKS];
@@ -118,7 +119,8 @@ static inline __attribute__((always_inline)) void tile_step(const uint8_t *q, in
         int32_t four;
         memcpy(&four, q + r * Kp + 4 * k4, sizeof four);
         const __m512i xv = _mm512_set1_epi32(four);
-        UNROLL for (int b = 0; b < BLOCKS; b++) acc[r * BLOCKS + b] = _mm512_dpbusd_epi32(acc[r * BLOCKS + b], xv, wv[b]);
+        UNROLL for (int b = 0; b < BLOCKS; b++)
+            acc[r * BLOCKS + b] = _mm512_dpbusd_epi32(acc[r * BLOCKS + b], xv, wv[b]);
     }
 }
 
