@@ -41,12 +41,12 @@ struct prefetch_stream {
     const char *base;
     const int64_t *table;
     int64_t block_size, row_bytes, bytes, len;
-    int64_t t, offset; /* the next line: row t, at offset */
+    int64_t t, block, in_block, offset; /* the next line: row t (the table's block-th, its in_block-th), at offset */
 };
 
 static inline struct prefetch_stream prefetch_stream(const void *base, const int64_t *table, int64_t block_size,
                                                      int64_t row_bytes, int64_t bytes, int64_t len) {
-    return (struct prefetch_stream){(const char *)base, table, block_size, row_bytes, bytes, len, 0, 0};
+    return (struct prefetch_stream){(const char *)base, table, block_size, row_bytes, bytes, len, 0, 0, 0, 0};
 }
 
 /* The stream's lines, and how many of them each of `steps` steps asks for to have them all asked for. */
@@ -58,10 +58,12 @@ static inline int64_t stream_lines_per(const struct prefetch_stream *s, int64_t 
 /* The next n lines of s (none once it is done, or where s is NULL). */
 static inline void stream_prefetch(struct prefetch_stream *s, int64_t n) {
     if (!s) return;
-    for (; n > 0 && s->t < s->len; n--) {
-        const int64_t slot = s->table[s->t / s->block_size] * s->block_size + s->t % s->block_size;
+    for (; n > 0 && s->t < s->len; n--) { /* walking the table: no division a line */
+        const int64_t slot = s->table[s->block] * s->block_size + s->in_block;
         __builtin_prefetch(s->base + slot * s->row_bytes + s->offset, 0, 2); /* prefetcht1: into L2 */
-        if ((s->offset += 64) >= s->bytes) s->offset = 0, s->t++;
+        if ((s->offset += 64) < s->bytes) continue;
+        s->offset = 0, s->t++;
+        if (++s->in_block == s->block_size) s->in_block = 0, s->block++;
     }
 }
 

@@ -70,6 +70,8 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
     int64_t longest = 16;
     for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
     longest = (longest + 15) / 16 * 16; /* the staged keys: whole 16-token blocks */
+    const int64_t items = B * split;
+    int64_t claimed = 0; /* items handed out: a thread claims its next one a step ahead */
     _Pragma("omp parallel num_threads(nthreads)") {
         /* one workspace per thread: scores [rows, longest]; the keys' scales [heads, longest] (then the
          * values'); the staged keys [longest, heads, D] bfloat16 and their blocks' table (0, 1, 2, ...); row
@@ -82,24 +84,37 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
         int64_t *blocks = (int64_t *)(staged + longest * heads * D);
         const void **row_at = (const void **)(blocks + longest / 16);
         for (int64_t i = 0; i < longest / 16; i++) blocks[i] = i;
-        _Pragma("omp for schedule(dynamic)")
-        for (int64_t item = 0; item < B * split; item++) {
-            const int64_t b = item / split, h0 = (item % split) * heads, len = lens[b];
+        int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (next < items) {
+            const int64_t item = next, b = item / split, h0 = (item % split) * heads, len = lens[b];
             const int64_t *table = tables + b * max_blocks;
             const uint16_t *qb = q + b * q_stride + h0 * G * D;
+            next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            /* As paged_decode_bf16: the values come in while the keys are staged, the next item's keys while
+             * the values are summed. */
+            const int64_t ahead = next < items ? next : item;
+            struct prefetch_stream values = prefetch_stream(v_cache + h0 * row, table, block_size, KVH * row,
+                                                            heads * row, len),
+                                   keys = prefetch_stream(k_cache + (ahead % split) * heads * row,
+                                                          tables + ahead / split * max_blocks, block_size, KVH * row,
+                                                          heads * row, next < items ? lens[ahead / split] : 0);
             if (!decode_scores_amx_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores)) {
                 row_pointers(k_cache + h0 * row, table, len, block_size, KVH * row, row_at);
                 prefetch_rows(row_at, len, heads * row);
-                for (int64_t t = 0; t < len; t++)
+                const int64_t per_key = stream_lines_per(&values, len);
+                for (int64_t t = 0; t < len; t++) {
+                    stream_prefetch(&values, per_key);
                     for (int64_t hh = 0; hh < heads; hh++) {
                         const int8_t *key = (const int8_t *)row_at[t] + hh * row;
                         int8_to_bf16(key, staged + (t * heads + hh) * D, D);
                         k_scales[hh * len + t] = int8_row_scale(key, D);
                     }
+                }
                 decode_scores_bf16(qb, rows, G, D, staged, heads, 0, blocks, 16, len, scale, scores, row_at, NULL);
                 for (int64_t hh = 0; hh < heads; hh++) scale_columns(scores + hh * G * len, G, len, k_scales + hh * len, len);
             }
             for (int64_t r = 0; r < rows; r++) softmax_(scores + r * len, len);
+            const int64_t per_row = stream_lines_per(&keys, heads * (D / 64) * ((G + 3) / 4) * len);
             for (int64_t hh = 0; hh < heads; hh++)
                 for (int64_t d0 = 0; d0 < D; d0 += 64) {
                     row_pointers(v_cache + (h0 + hh) * row + d0, table, len, block_size, KVH * row, row_at);
@@ -110,7 +125,7 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
                     }
                     for (int64_t r0 = 0; r0 < G; r0 += 4)
                         weighted_heads(scores + (hh * G + r0) * len, len, len, row_at, G - r0 < 4 ? G - r0 : 4, 1,
-                                       out + (b * H + (h0 + hh) * G + r0) * D + d0, D, NULL, 0);
+                                       out + (b * H + (h0 + hh) * G + r0) * D + d0, D, &keys, per_row);
                 }
         }
         free(scores);
