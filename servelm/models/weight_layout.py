@@ -94,7 +94,7 @@ def _pack(model: nn.Module, device: torch.device, cpu_matmul: str) -> None:
 
 
 def _stream_from_huge_pages(model: nn.Module, device: torch.device) -> None:
-    # Decoding streams the pair-layout, plain or int8 weights of every layer once per step. On
+    # Decoding streams the pair-layout, plain, int8 or W8A8-packed weights of every layer once per step. On
     # transparent huge pages it takes a TLB miss every 2 MiB instead of every 4 KiB (servelm/platform/memory.py).
     owners = [
         (m, attr)
@@ -103,6 +103,7 @@ def _stream_from_huge_pages(model: nn.Module, device: torch.device) -> None:
         if getattr(m, attr, None) is not None
     ]
     owners += [(m, "qweight") for m in model.modules() if isinstance(m, (Int8Linear, W8A8Linear))]
+    owners += [(m, "packed") for m in model.modules() if isinstance(m, W8A8Linear) and m.packed is not None]
     nbytes = sum(getattr(m, a).nbytes for m, a in owners)
     if not owners or nbytes > free_memory_bytes(device) // 2:  # the old copies go only once all are made
         return

@@ -230,3 +230,23 @@ def test_engine_runs_w8a8_close_to_bfloat16():
     assert outputs["w8a8"][1].text.strip().startswith("6, 7")
     same = sum(a == b for x, y in zip(outputs["none"], outputs["w8a8"]) for a, b in zip(x.token_ids, y.token_ids))
     assert same >= 0.6 * 12 * len(prompts)
+
+
+@pytest.mark.model
+def test_packed_weights_move_to_huge_pages_beside_the_int8_rows(monkeypatch):
+    """Decoding's GEMM streams the packed layout once a step: it goes into the huge-page arena (one storage
+    for every layer) with the rows the one-row GEMV reads."""
+    from servelm import LLM
+    from servelm.models import weight_layout
+
+    moved = []
+    real_copies = weight_layout.huge_page_copies
+    monkeypatch.setattr(weight_layout, "free_memory_bytes", lambda device: 4096 << 20)
+    monkeypatch.setattr(weight_layout, "huge_page_copies", lambda ts: moved.extend(ts) or real_copies(ts))
+    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20, quantization="w8a8")
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, W8A8Linear)]
+    if layers[0].packed is None:
+        pytest.skip("no AVX512-VNNI: no packed layout to move")
+    assert len(moved) == 2 * len(layers)  # each layer's int8 rows and its packed layout
+    arenas = {t.untyped_storage().data_ptr() for m in layers for t in (m.qweight, m.packed)}
+    assert len(arenas) == 1
