@@ -5,9 +5,12 @@ For each model's head shape, decode steps of 32 sequences (and one long one) and
 prompts behind a cached prefix: the step's time over each cache (the two alternating, ``--repeats``
 rounds of ``--calls`` calls, median per round), the ratio bfloat16 / int8, and each side's largest
 difference from float64 attention over the bfloat16 cache's values (the int8 side's includes its rounding).
+With ``--layers N`` a call passes over N layers' caches in turn (time per layer), so that they come from
+memory rather than from the CPU's caches.
 
     .venv/bin/python bench/kv_int8.py
     .venv/bin/python bench/kv_int8.py --repeats 9 --calls 50
+    .venv/bin/python bench/kv_int8.py --layers 30 --repeats 5   # the caches from memory
 """
 
 from __future__ import annotations
@@ -72,6 +75,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7, help="rounds, each timing both caches in turn")
     ap.add_argument("--calls", type=int, default=30, help="calls per side and round")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="each step over this many layers' caches in turn (30: from memory, as a model step reads them; "
+        "1: one cache, which a large L3 holds)",
+    )
     args = ap.parse_args()
     if kernels.cpu_kernels() is None:
         raise SystemExit("servelm's CPU kernels are unavailable here: nothing to compare")
@@ -80,11 +90,22 @@ def main() -> None:
     cases = [(32, 160, 1), (32, 500, 1), (32, 1000, 1), (1, 2000, 1), (12, 158, 142)]
     for name, (heads, kv_heads, head_dim) in SHAPES.items():
         for prompts, context, new in cases:
-            run, bf16, int8, ref = step(prompts, context, new, heads, kv_heads, head_dim)
+            layers = [step(prompts, context, new, heads, kv_heads, head_dim, seed=seed) for seed in range(args.layers)]
+            run, bf16, int8, ref = layers[0]
             errors = [(run(c).double() - ref).abs().max().item() for c in (bf16, int8)]
+
+            def each_layer(side: int, layers=layers) -> None:  # every layer's cache once, as a model step reads them
+                for layer in layers:
+                    layer[0](layer[1 + side])
+
             rounds = []
             for _ in range(args.repeats):
-                rounds.append(tuple(timed(functools.partial(run, cache), args.calls) for cache in (bf16, int8)))
+                rounds.append(
+                    tuple(
+                        timed(functools.partial(each_layer, side), max(1, args.calls // args.layers)) / args.layers
+                        for side in (0, 1)
+                    )
+                )
             b, i = statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds)
             ratio = statistics.median(r[0] / r[1] for r in rounds)
             what = f"{prompts} x {'decode' if new == 1 else f'{new} new'} @ {context}"
