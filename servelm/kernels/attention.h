@@ -49,6 +49,16 @@ static inline struct prefetch_stream prefetch_stream(const void *base, const int
     return (struct prefetch_stream){(const char *)base, table, block_size, row_bytes, bytes, len, 0, 0, 0, 0};
 }
 
+/* A decode work item's share of a cache as a stream: the rows of sequence item / split, the (item % split)-th
+ * `bytes` of each; an empty stream for an item past the last (item >= items). */
+static inline struct prefetch_stream item_stream(const void *cache, int64_t item, int64_t items, int64_t split,
+                                                 int64_t bytes, int64_t row_bytes, const int64_t *tables,
+                                                 int64_t max_blocks, const int64_t *lens, int64_t block_size) {
+    if (item >= items) return prefetch_stream(cache, tables, block_size, row_bytes, bytes, 0);
+    return prefetch_stream((const char *)cache + item % split * bytes, tables + item / split * max_blocks, block_size,
+                           row_bytes, bytes, lens[item / split]);
+}
+
 /* The stream's lines, and how many of them each of `steps` steps asks for to have them all asked for. */
 static inline int64_t stream_lines_per(const struct prefetch_stream *s, int64_t steps) {
     const int64_t lines = s->len * ((s->bytes + 63) / 64);

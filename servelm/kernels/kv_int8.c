@@ -92,12 +92,10 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
             next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             /* As paged_decode_bf16: the values come in while the keys are staged, the next item's keys while
              * the values are summed. */
-            const int64_t ahead = next < items ? next : item;
-            struct prefetch_stream values = prefetch_stream(v_cache + h0 * row, table, block_size, KVH * row,
-                                                            heads * row, len),
-                                   keys = prefetch_stream(k_cache + (ahead % split) * heads * row,
-                                                          tables + ahead / split * max_blocks, block_size, KVH * row,
-                                                          heads * row, next < items ? lens[ahead / split] : 0);
+            struct prefetch_stream values = item_stream(v_cache, item, items, split, heads * row, KVH * row, tables,
+                                                        max_blocks, lens, block_size),
+                                   keys = item_stream(k_cache, next, items, split, heads * row, KVH * row, tables,
+                                                      max_blocks, lens, block_size);
             if (!decode_scores_amx_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores)) {
                 row_pointers(k_cache + h0 * row, table, len, block_size, KVH * row, row_at);
                 prefetch_rows(row_at, len, heads * row);

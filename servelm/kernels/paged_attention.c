@@ -162,11 +162,9 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
         next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);                                 \
         /* While the scores are summed, this item's values come into L2, and while the values are, the   \
          * next item's keys (on Zen 5, 32 sequences x 200 tokens from memory took 0.7x the time). */      \
-        const int64_t ahead = next < items ? next : item; /* none after the last: nothing to prefetch */  \
-        struct prefetch_stream values = prefetch_stream(v_cache + h0 * D, table, block_size, row_bytes, bytes, len), \
-                               keys = prefetch_stream(k_cache + (ahead % split) * heads * D,               \
-                                                      tables + ahead / split * max_blocks, block_size, row_bytes, \
-                                                      bytes, next < items ? lens[ahead / split] : 0);     \
+        struct prefetch_stream                                                                    \
+            values = item_stream(v_cache, item, items, split, bytes, row_bytes, tables, max_blocks, lens, block_size), \
+            keys = item_stream(k_cache, next, items, split, bytes, row_bytes, tables, max_blocks, lens, block_size); \
         /* rows = the item's query heads, h0 * G .. (h0 + heads) * G - 1 */                       \
         if (!SCORES(q + b * q_stride + h0 * G * D, rows, G, D, k_cache, KVH, h0, table, block_size, len,\
                     scale, scores, row_at, &values)) {                                             \
