@@ -33,10 +33,11 @@
   of the activations rounded to int8 on the fly, the weights packed once at
   load (one layout serves both), int32 sums scaled back once per output
   (``bench/w8a8_gemm.py``).
-- ``decode_one.c``: a whole decoding step of a Llama-family model for one
-  sequence in one call, running the kernels above layer after layer: with one
-  token in flight the Python around a few hundred small calls a step costs
-  as much as the calls themselves.
+- ``decode_step.c``: a whole decoding step of a Llama-family model (one new
+  token for each of a batch of sequences) in one call, running the kernels
+  above layer after layer: decoding's ops are small, and the Python around a
+  few hundred of them a step costs as much as, or a good part of, the ops
+  themselves.
 
 ``ops.cpp``, ``attention_op.cpp`` and ``decoder_op.cpp`` register them as ops with schemas, each
 checking its arguments before C reads them; ``ops.py`` is their typed Python
@@ -56,14 +57,14 @@ import subprocess
 import torch
 
 from servelm.kernels import build
-from servelm.kernels.ops import CpuKernels, DecoderLayerWeights, LinearWeights, OneTokenDecoder
+from servelm.kernels.ops import CpuKernels, DecoderLayerWeights, DecodingStep, LinearWeights
 from servelm.kernels.self_check import reference_decode_attention, self_check
 
 __all__ = [
     "CpuKernels",
     "DecoderLayerWeights",
+    "DecodingStep",
     "LinearWeights",
-    "OneTokenDecoder",
     "cpu_kernels",
     "for_cache",
     "for_tensors",

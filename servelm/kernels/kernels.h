@@ -118,14 +118,18 @@ void w8a8_pack(const int8_t *w, int64_t N, int64_t K, int8_t *packed, int nthrea
 void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *packed, const float *scales,
                const void *bias, int64_t N, int flags, void *out, int nthreads);
 
-/* decode_one.c: a linear layer [out_features, in_features]: bfloat16 weight,
- * plain or in gemv.c's pair layout, or int8 weight with bfloat16 scales per
- * row (quantization.py); bias NULL or [out_features]. */
+/* decode_step.c: a linear layer [out_features, in_features], as the model's layer keeps it for the rows a
+ * step decodes: LINEAR_PLAIN, a bfloat16 weight (one row); LINEAR_PAIRS, bfloat16 in gemv.c's pair layout (up
+ * to vector_rows rows on vectors, more on AMX tiles); LINEAR_INT8, int8 with bfloat16 scales per row
+ * (quantization.py; one row); LINEAR_W8A8, w8a8_pack's layout with float32 scales (w8a8.py), gate/up in pairs
+ * of 16-row blocks writing silu_mul's result where silu_mul. bias NULL or bfloat16 [out_features]. */
+enum linear_kind { LINEAR_PLAIN, LINEAR_PAIRS, LINEAR_INT8, LINEAR_W8A8 };
+
 struct linear {
     const void *weight;
-    const uint16_t *scales; /* NULL: the weight is bfloat16 */
+    const void *scales;
     const uint16_t *bias;
-    int64_t pairs; /* nonzero: the bfloat16 weight is in the pair layout */
+    int64_t kind, vector_rows, silu_mul;
 };
 
 struct decoder_layer {
@@ -143,7 +147,8 @@ struct decoder {
     const struct decoder_layer *layers;
 };
 
-void decode_one_bf16(const struct decoder *m, uint16_t *x, int64_t position, const int64_t *table, int nthreads);
+void decode_step_bf16(const struct decoder *m, uint16_t *x, int64_t rows, const int64_t *positions,
+                      const int64_t *tables, int64_t max_blocks, int nthreads);
 
 #ifdef __cplusplus
 }

@@ -17,15 +17,24 @@ import torch
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
+LINEAR_KINDS = ("plain", "pairs", "int8", "w8a8")  # kernels.h's enum linear_kind, in its order
+
+
 class LinearWeights(NamedTuple):
-    """What the one-token decoder reads of a linear layer: a bfloat16 weight ``[out, in]`` (or, with
-    ``pairs``, the same in ``pack_pairs``'s layout), or an int8 one with bfloat16 ``scales`` ``[out]`` per
-    row; ``bias`` ``[out]`` bfloat16 or None."""
+    """What the native decoding step reads of a linear layer ``[out, in]`` for the rows it decodes, by
+    ``kind``: ``plain``, a bfloat16 weight (one row); ``pairs``, the same in ``pack_pairs``'s layout, up to
+    ``vector_rows`` rows on the vector unit and more on AMX tiles; ``int8``, int8 rows with bfloat16
+    ``scales`` ``[out]`` (one row); ``w8a8``, ``w8a8_pack``'s layout with float32 ``scales`` ``[out]``, and
+    with ``silu_mul`` a gate/up weight in pairs of 16-row blocks whose product's ``silu_mul`` is written
+    instead. ``max_rows``: the most rows the layer takes this way; ``bias`` ``[out]`` bfloat16 or None."""
 
     weight: torch.Tensor
     scales: torch.Tensor | None
     bias: torch.Tensor | None
-    pairs: bool = False
+    kind: str = "plain"
+    vector_rows: int = 1
+    max_rows: int = 1
+    silu_mul: bool = False
 
 
 class DecoderLayerWeights(NamedTuple):
@@ -38,21 +47,24 @@ class DecoderLayerWeights(NamedTuple):
     kv_cache: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim] bfloat16, or int8 rows of head_dim + 4
 
 
-class OneTokenDecoder:
-    """A decoding step of one sequence through every layer in one op (``servelm::decode_one``).
+class DecodingStep:
+    """A decoding step of a batch of sequences, one token each, through every layer in one op
+    (``servelm::decode_step``).
 
-    Wraps a ``torch.classes.servelm.OneTokenDecoder``, which checked the
-    weights and caches when it was made and holds them, so they outlive it.
+    Wraps a ``torch.classes.servelm.Decoder``, which checked the weights and
+    caches when it was made and holds them, so they outlive it.
     """
 
     def __init__(self, native: torch.ScriptObject) -> None:
         self._decoder = native  # the C++ object holding the weights and caches
-        self._op = torch.ops.servelm.decode_one.default
+        self._op = torch.ops.servelm.decode_step.default
+        self.max_rows: int = native.max_rows()  # the most rows (sequences) a call takes
 
-    def __call__(self, x: torch.Tensor, position: int, block_table: torch.Tensor) -> torch.Tensor:
-        """The final hidden state ``[1, hidden]`` of the token whose embedding is ``x`` ``[1, hidden]``
-        (overwritten), at ``position`` of the sequence whose block table ``block_table`` (int64) covers it."""
-        self._op(self._decoder, x, position, block_table)
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """The final hidden states ``[rows, hidden]`` of the tokens whose embeddings are ``x`` ``[rows,
+        hidden]`` (overwritten), token r at ``positions[r]`` of the sequence whose block table
+        ``block_tables[r]`` (int64 ``[rows, max_blocks]``) covers it."""
+        self._op(self._decoder, x, positions, block_tables)
         return x
 
 
@@ -110,7 +122,7 @@ class CpuKernels:
 
     def decodes_int8_cache(self, head_dim: int) -> bool:
         """Whether ``decode_attention`` runs natively over an int8 cache of ``head_dim``-dim heads
-        (AVX512-BF16, ``head_dim`` a multiple of 64), as the one-token decoder needs; a one-token probe."""
+        (AVX512-BF16, ``head_dim`` a multiple of 64), as the one-call decoding step needs; a one-token probe."""
         probe = self._decode_attention(
             torch.zeros(1, 1, head_dim, dtype=torch.bfloat16),
             torch.zeros(2, 1, 1, 1, head_dim + 4, dtype=torch.int8),
@@ -255,29 +267,32 @@ class CpuKernels:
         products in float32, in different orders: the switch is for comparing the two."""
         return self._attention_use_amx(enable)
 
-    def one_token_decoder(
+    def decoding_step(
         self,
         layers: list[DecoderLayerWeights],
         final_norm: torch.Tensor,
         cos_sin: torch.Tensor,
         *,
         heads: int,
+        intermediate: int,
         eps: float,
         scale: float,
-    ) -> OneTokenDecoder:
-        """A one-call decoding step over these bfloat16 weights and caches (models/one_token_decoder.py
-        builds it); ValueError for any it cannot read.
+    ) -> DecodingStep:
+        """A one-call decoding step over these bfloat16 weights and caches (models/decoding_step.py builds
+        it); ValueError for any it cannot read.
 
-        Every tensor must be contiguous on the CPU, the norms, biases and
-        scales bfloat16 (the weights bfloat16 or int8), the caches bfloat16 or
-        int8 (``decodes_int8_cache``), ``cos_sin`` float32 ``[positions, head_dim]``.
+        Every tensor must be contiguous on the CPU, the norms and biases
+        bfloat16 (the weights and scales as ``LinearWeights`` says), the caches
+        bfloat16 or int8 (``decodes_int8_cache``), ``cos_sin`` float32
+        ``[positions, head_dim]``; ``intermediate`` is the MLP's inner size.
         """
         tensors: list[torch.Tensor | None] = []
-        pairs = []
+        layouts = []
         for layer in layers:
             tensors += [layer.input_norm, layer.post_norm, layer.kv_cache]
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 tensors += [linear.weight, linear.scales, linear.bias]
-                pairs.append(int(linear.pairs))
-        native = torch.classes.servelm.OneTokenDecoder(tensors, pairs, final_norm, cos_sin, heads, eps, scale)
-        return OneTokenDecoder(native)
+                kind = LINEAR_KINDS.index(linear.kind)
+                layouts += [kind, linear.vector_rows, linear.max_rows, int(linear.silu_mul)]
+        native = torch.classes.servelm.Decoder(tensors, layouts, final_norm, cos_sin, heads, intermediate, eps, scale)
+        return DecodingStep(native)

@@ -6,9 +6,9 @@ Q/K/V and gate/up projections are fused into one matmul each; ``load_weights``
 fuses the HF checkpoint's separate tensors as it copies them in. This file is
 the architecture only: each op (norm, RoPE, activation, attention) picks
 servelm's native CPU kernel or PyTorch in its module of ``servelm.layers``. A
-step that decodes a single sequence runs all the layers' native calls in one
-(``servelm.models.one_token_decoder``), bit-identical to calling them layer by
-layer.
+step in which every sequence decodes one token runs all the layers' native
+calls in one (``servelm.models.decoding_step``), bit-identical to calling them
+layer by layer.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from servelm.layers.linear import FusedLinear
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import Rope, RotaryEmbedding, split_and_rotate_qkv
 from servelm.models.config import ModelConfig
-from servelm.models.one_token_decoder import build_one_token_decoder
+from servelm.models.decoding_step import build_decoding_step
+from servelm.models.packed import in_rows_alike
 
 
 class Attention(nn.Module):
@@ -129,7 +130,8 @@ class LlamaForCausalLM(nn.Module):
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         self.model.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self._decoder: tuple[list[torch.Tensor], kernels.OneTokenDecoder | None] | None = None  # (caches, decoder)
+        # (caches, the one-call decoding step for one row, for more rows), built on first use
+        self._steps: tuple[list[torch.Tensor], kernels.DecodingStep | None, kernels.DecodingStep | None] | None = None
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -144,21 +146,27 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flattened batch of T tokens; K/V land in ``kv_caches``."""
         x = self.model.embed_tokens(input_ids)
-        if meta.num_prefills == 0 and x.shape[0] == 1 and kernels.for_tensors(x):
-            decoder = self._one_token_decoder(kv_caches)
-            if decoder is not None:  # the same kernels as below, in one native call
-                return decoder(x, meta.context_lens[0] - 1, meta.block_tables[0])
+        if meta.num_prefills == 0 and kernels.for_tensors(x):
+            step = self._decoding_step(kv_caches, x.shape[0])
+            if step is not None:  # the same kernels as below, in one native call
+                return step(x, positions, meta.block_tables)
         rope = self.rotary(positions)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(rope, x, residual, kv_cache, meta)
         return self.model.norm(x, residual)[0]
 
-    def _one_token_decoder(self, kv_caches: list[torch.Tensor]) -> kernels.OneTokenDecoder | None:
-        """servelm's one-call decoding step over these caches (built once), or None where it does not apply."""
-        if self._decoder is None or self._decoder[0] is not kv_caches:
-            self._decoder = (kv_caches, build_one_token_decoder(self, kv_caches))
-        return self._decoder[1]
+    def _decoding_step(self, kv_caches: list[torch.Tensor], rows: int) -> kernels.DecodingStep | None:
+        """servelm's one-call decoding step of ``rows`` sequences over these caches (built once), or None where
+        it does not apply: there is none for these weights, ``rows`` is past what its layers take, or the rows
+        must be computed as one row alone (``packed.rows_alike``), which only the layer path does."""
+        if self._steps is None or self._steps[0] is not kv_caches:
+            one = build_decoding_step(self, kv_caches, one_row=True)
+            self._steps = (kv_caches, one, build_decoding_step(self, kv_caches, one_row=False))
+        step = self._steps[1] if rows == 1 else self._steps[2]
+        if step is None or rows > step.max_rows or (rows > 1 and in_rows_alike()):
+            return None
+        return step
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` of the given hidden states (usually each sequence's last)."""

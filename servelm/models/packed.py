@@ -88,6 +88,11 @@ def rows_alike() -> Iterator[None]:
         _ROWS_ALIKE.reset(token)
 
 
+def in_rows_alike() -> bool:
+    """Whether this runs within ``rows_alike``."""
+    return _ROWS_ALIKE.get()
+
+
 _NO_SMALL_GEMM = "it needs servelm's CPU kernels, an AVX512-BF16 CPU and oneDNN's bfloat16 packing"
 
 
@@ -170,13 +175,24 @@ class PackedLinear(nn.Module):
         self.plain_weight = weight.detach().contiguous() if keep_plain and self.pair_weight is None else None
 
     def one_row_weights(self) -> kernels.LinearWeights | None:
-        """What servelm's one-token decoder reads of this layer: the pair layout or the plain weight, where
-        kept."""
+        """What servelm's one-call decoding step reads of this layer for one row: the pair layout or the plain
+        weight, where kept."""
         if self.pair_weight is not None:
-            return kernels.LinearWeights(self.pair_weight, None, self.bias, pairs=True)
+            return kernels.LinearWeights(self.pair_weight, None, self.bias, "pairs", vector_rows=self.pair_rows)
         if self.plain_weight is None or self.plain_weight.dtype != torch.bfloat16:
             return None
         return kernels.LinearWeights(self.plain_weight, None, self.bias)
+
+    def rows_weights(self) -> kernels.LinearWeights | None:
+        """What servelm's one-call decoding step reads of this layer for 2 rows or more, as ``forward`` runs
+        them: the pair layout, up to ``pair_rows`` rows on the vector unit and on to ``PAIR_MAX_ROWS`` on AMX
+        tiles where ``amx_pairs``; None where ``forward`` would not run 2 rows on it."""
+        most = PAIR_MAX_ROWS if self.amx_pairs else self.pair_rows
+        if self.pair_weight is None or most < 2:
+            return None
+        return kernels.LinearWeights(
+            self.pair_weight, None, self.bias, "pairs", vector_rows=self.pair_rows, max_rows=most
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()

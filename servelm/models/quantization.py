@@ -56,9 +56,9 @@ class Int8Rows(nn.Module):
         return self.qweight.shape[0]
 
     def one_row_weights(self) -> kernels.LinearWeights:
-        """What servelm's one-token decoder reads of this layer (the int8 matrix-vector kernel, as forward runs
-        for one row)."""
-        return kernels.LinearWeights(self.qweight, self.scales, self.bias)
+        """What servelm's one-call decoding step reads of this layer for one row (the int8 matrix-vector
+        kernel, as forward runs it)."""
+        return kernels.LinearWeights(self.qweight, self.scales, self.bias, "int8")
 
 
 class Int8Linear(Int8Rows):

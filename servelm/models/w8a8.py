@@ -37,6 +37,9 @@ from servelm.models.quantization import Int8Rows
 logger = logging.getLogger(__name__)
 
 
+ANY_ROWS = 1 << 30  # rows_weights' max_rows: the packed weight takes any number of rows
+
+
 @functools.cache
 def _warn_portable(reason: str) -> None:
     logger.warning("w8a8: servelm's int8 GEMM does not run here (%s): torch._int_mm runs instead, slower", reason)
@@ -86,6 +89,16 @@ class W8A8Linear(Int8Rows):
         self.packed_bias = None if self.bias is None else self.bias[order].contiguous()
         self.gate_up_pairs = True
         return True
+
+    def rows_weights(self) -> kernels.LinearWeights | None:
+        """What servelm's one-call decoding step reads of this layer for 2 rows or more (the packed weight, as
+        ``forward`` and, after :meth:`pair_gate_up`, ``silu_mul`` run them); None where the kernel does not
+        run."""
+        if self.packed is None:
+            return None
+        return kernels.LinearWeights(
+            self.packed, self.weight_scales, self.packed_bias, "w8a8", max_rows=ANY_ROWS, silu_mul=self.gate_up_pairs
+        )
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu_and_mul(self(x))``, to the last bit in bfloat16 on AVX512-BF16 CPUs: after

@@ -103,8 +103,9 @@ class PagedRunner:
 
 def tiny_llama_model(weights: str, **overrides) -> tuple[LlamaForCausalLM, ModelConfig]:
     """A random bfloat16 Llama of 3 small layers whose linears are packed with plain weights kept ("bf16"),
-    with the small-GEMM pair layout where it runs ("pairs"), int8 ("int8") or int8 weights and activations
-    ("w8a8"); ``overrides`` set config fields."""
+    with the small-GEMM pair layout where it runs ("pairs": on the vector unit up to ``PAIR_MAX_ROWS`` rows;
+    "pairs1": for one row, and from 2 rows on AMX tiles where the CPU has them, as decoding runs there), int8
+    ("int8") or int8 weights and activations ("w8a8"); ``overrides`` set config fields."""
     fields = dict(
         architecture="LlamaForCausalLM",
         vocab_size=120,
@@ -131,7 +132,7 @@ def tiny_llama_model(weights: str, **overrides) -> tuple[LlamaForCausalLM, Model
         if not can_pack(torch.bfloat16, torch.device("cpu")):
             pytest.skip("this torch build has no oneDNN bfloat16 packing")
         # "pairs": the small-GEMM layout where it runs (not for the 120-row head, which stays plain)
-        rows = PAIR_MAX_ROWS if weights == "pairs" else 0
+        rows = {"pairs": PAIR_MAX_ROWS, "pairs1": 1}.get(weights, 0)
         replace_linears(model, functools.partial(PackedLinear, keep_plain=True, pair_rows=rows), head)
     return model, config
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from servelm.kernels import build
+from servelm.models.packed import rows_alike
 
 OPS = [
     "decode_attention",
@@ -24,7 +25,7 @@ OPS = [
     "gemv",
     "pack_pairs",
     "gemm_pairs",
-    "decode_one",
+    "decode_step",
 ]
 
 
@@ -142,15 +143,15 @@ def test_the_small_gemm_refuses_widths_its_layout_cannot_hold(native):
     assert native.pack_pairs(torch.zeros(16, 16, dtype=torch.bfloat16)) is None
 
 
-def test_the_one_token_decoder_refuses_a_table_naming_no_block_of_its_cache(native, tiny_llama):
+def test_the_decoding_step_refuses_a_table_naming_no_block_of_its_cache(native, tiny_llama):
     model, _ = tiny_llama("bf16")
     caches = [torch.zeros(2, 8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(3)]  # 8 blocks
-    decoder = model._one_token_decoder(caches)
+    step = model._decoding_step(caches, 1)
     x = torch.ones(1, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="block table entry 8"):
-        decoder(x, 5, torch.tensor([0, 8]))
+        step(x, torch.tensor([5]), torch.tensor([[0, 8]]))
     with pytest.raises(ValueError, match="past the model's 128"):
-        decoder(x, 128, torch.arange(8).repeat(5))
+        step(x, torch.tensor([128]), torch.arange(8).repeat(5)[None])
     assert torch.equal(x, torch.ones(1, 64, dtype=torch.bfloat16))
     assert not any(c.any() for c in caches)
 
@@ -160,7 +161,8 @@ def test_the_ops_show_by_name_in_the_profiler(native, tiny_llama, paged_runner):
     runner = paged_runner(model, config)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         runner.step([("a", [3, 4, 5, 6, 7]), ("b", [8, 9])])  # two prefills
-        runner.step([], [("a", 10), ("b", 11)])  # two decodes: layer by layer
+        with rows_alike():  # each row as one row alone: layer by layer
+            runner.step([], [("a", 10), ("b", 11)])  # two decodes
         runner.step([], [("a", 12)])  # one decode: the one-call step
     names = {event.key for event in prof.key_averages()}
     expected = {
@@ -170,7 +172,7 @@ def test_the_ops_show_by_name_in_the_profiler(native, tiny_llama, paged_runner):
         "servelm::prefill_attention",
         "servelm::decode_attention",
         "servelm::silu_mul",
-        "servelm::decode_one",
+        "servelm::decode_step",
     }
     if "avx512_bf16" in build.cpu_flags():
         expected.add("servelm::gemm_pairs")  # the decodes' projections in the pair layout

@@ -241,7 +241,7 @@ def test_engine_in_bfloat16_packs_its_layers_and_stays_close_to_float32(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     assert bf16.generate(prompt, greedy)[0].outputs[0].text.strip().startswith("Paris")
     if kernels.cpu_kernels() is not None:  # batch-1 decoding went through the one-call native step
-        assert model._decoder is not None and model._decoder[1] is not None
+        assert model._steps is not None and model._steps[1] is not None
     # Batch-1 decode and a batched step use the same packed weights: the greedy
     # text of a well-determined prompt is the same alone and among others.
     others = ["Once upon a time", "def fibonacci(n):", "The largest planet is"]
