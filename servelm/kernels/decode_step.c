@@ -30,7 +30,8 @@ static void linear(const struct linear *l, const uint16_t *x, int64_t rows, int6
             bf16_gemm_pairs(x, rows, K, l->weight, l->bias, N, out, nthreads);
         return;
     case LINEAR_W8A8:
-        w8a8_gemm(x, 1, rows, K, l->weight, (const float *)l->scales, l->bias, N, l->silu_mul ? W8A8_SILU_MUL : 0, out, nthreads);
+        w8a8_gemm(x, 1, rows, K, l->weight, (const float *)l->scales, l->bias, N, l->silu_mul ? W8A8_SILU_MUL : 0,
+                  out, nthreads);
         return;
     case LINEAR_INT8:
         int8_linear_bf16(x, K, l->weight, (const uint16_t *)l->scales, N, out, nthreads);

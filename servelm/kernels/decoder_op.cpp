@@ -49,7 +49,8 @@ struct Decoder : torch::CustomClassHolder {
         const int64_t num_layers = static_cast<int64_t>(tensors.size()) / kTensorsPerLayer;
         CHECK_ARG(num_layers > 0 && static_cast<int64_t>(tensors.size()) == num_layers * kTensorsPerLayer &&
                       static_cast<int64_t>(layouts.size()) == 4 * kIntsPerLinear * num_layers,
-                  kOp, ": ", kTensorsPerLayer, " tensors and ", 4 * kIntsPerLinear, " layout numbers per layer expected");
+                  kOp, ": ", kTensorsPerLayer, " tensors and ", 4 * kIntsPerLinear,
+                  " layout numbers per layer expected");
         const at::Tensor cache = required(tensors, 2, "kv_cache");
         CHECK_ARG(final_norm.dim() == 1 && cache.dim() == 5 && cache.size(0) == 2 && cache.size(2) > 0, kOp,
                   ": final_norm [hidden] and kv_cache [2, blocks, block_size, kv_heads, head_dim] expected");
@@ -79,7 +80,8 @@ struct Decoder : torch::CustomClassHolder {
             CHECK_ARG(kv_cache.device().is_cpu() && kv_cache.is_contiguous() &&
                           kv_cache.scalar_type() == (int8 ? at::kChar : at::kBFloat16) &&
                           kv_cache.sizes() == cache.sizes(),
-                      kOp, ": every layer's kv_cache must be contiguous on the CPU, of the first one's dtype and shape");
+                      kOp,
+                      ": every layer's kv_cache must be contiguous on the CPU, of the first one's dtype and shape");
             layer.input_norm = bits(input_norm);
             layer.post_norm = bits(post_norm);
             layer.k_cache = kv_cache[0].data_ptr();
@@ -115,7 +117,8 @@ struct Decoder : torch::CustomClassHolder {
         const int64_t N = shape[0], K = shape[1];
         CHECK_ARG(kind >= LINEAR_PLAIN && kind <= LINEAR_W8A8 && rows >= 1, kOp, ": ", name, " has no layout ",
                   kind, " for ", rows, " rows");
-        CHECK_ARG(weight.device().is_cpu() && weight.is_contiguous(), kOp, ": ", name, " must be contiguous on the CPU");
+        CHECK_ARG(weight.device().is_cpu() && weight.is_contiguous(), kOp, ": ", name,
+                  " must be contiguous on the CPU");
         CHECK_ARG(!silu || (gate_up && kind == LINEAR_W8A8 && N % 32 == 0), kOp, ": ", name,
                   " cannot write silu_mul's result");
         switch (kind) {
