@@ -102,11 +102,15 @@ def test_the_engines_thread_keeps_its_step_memory_in_one_arena(arenas):
     faults = json.loads(run.stdout)
     gate_up_pages = 2048 * 9728 * 2 // 4096
     after_warm_up = sum(faults[6:])  # once the heap has grown to the largest step's blocks
+    settled = gate_up_pages // 10
     if arenas == "servelm's one":
-        assert after_warm_up < gate_up_pages // 10, faults
+        assert after_warm_up < settled, faults
     elif not THP_ALWAYS:
         # The thread's own arena unmaps heaps as they empty: later steps fault their memory in again.
-        assert after_warm_up > gate_up_pages, faults
+        # How much depends on where glibc's 64 MiB heaps happen to split the blocks (a whole gate/up
+        # block and more each 2048-row step run alone, a quarter of one in the full suite's process),
+        # so the control asserts only what the line above would reject.
+        assert after_warm_up > settled, faults
 
 
 def test_huge_page_copies_hold_their_values_past_the_callers_references():
