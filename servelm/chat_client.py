@@ -13,7 +13,7 @@ from servelm.clients import envelope_message, server_base_url, sse_lines
 
 
 def _error_message(response: httpx.Response) -> str:
-    message = envelope_message(response)
+    message = envelope_message(response.text)
     return message if message is not None else f"HTTP {response.status_code}: {response.text[:200]}"
 
 

@@ -4,9 +4,11 @@ splitting a stream into lines."""
 
 from __future__ import annotations
 
+import codecs
+import json
 import os
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -26,16 +28,17 @@ def api_key_from_env() -> str | None:
     return keys[0] if keys else None
 
 
-def envelope_message(response: httpx.Response) -> Any:
-    """The ``error.message`` of a reply in OpenAI's error envelope, or None when the body is not one."""
+def envelope_message(body: str | bytes) -> Any:
+    """The ``error.message`` of a reply body in OpenAI's error envelope, or None when it is not one."""
     try:
-        return response.json()["error"]["message"]
+        return json.loads(body)["error"]["message"]
     except Exception:
         return None
 
 
-# SSE ends a line at CR, LF or CRLF alone. httpx's iter_lines/aiter_lines also end one at U+2028,
-# U+0085 and the like (as str.splitlines() does), which a server may send raw inside a JSON string.
+# SSE ends a line at CR, LF or CRLF alone. httpx's iter_lines also ends one at U+2028, U+0085 and the like
+# (as str.splitlines() does), which a server may send raw inside a JSON string; aiohttp's line reading
+# ends one at LF only.
 _SSE_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
@@ -49,12 +52,14 @@ def sse_lines(response: httpx.Response) -> Iterator[str]:
         yield rest
 
 
-async def async_sse_lines(response: httpx.Response) -> AsyncIterator[str]:
-    """:func:`sse_lines` for an async response."""
+async def async_sse_lines(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
+    """:func:`sse_lines` for a stream's bytes as they arrive (UTF-8, split anywhere)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     rest = ""
-    async for text in response.aiter_text():
-        *lines, rest = _SSE_LINE_END.split(rest + text)
+    async for chunk in chunks:
+        *lines, rest = _SSE_LINE_END.split(rest + decoder.decode(chunk))
         for line in lines:
             yield line
+    rest += decoder.decode(b"", final=True)
     if rest:
         yield rest

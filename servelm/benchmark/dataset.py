@@ -18,9 +18,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import httpx
+import aiohttp
+
+if TYPE_CHECKING:
+    from servelm.benchmark.client import BenchClient
 
 # Plain English whose tokens make the pool of synthetic prompts.
 CORPUS = (
@@ -68,30 +71,30 @@ class PromptTokenizer(Protocol):
 class ServerTokenizer:
     """The served model's own tokenizer, over ``POST /tokenize`` and ``POST /detokenize``."""
 
-    def __init__(self, client: httpx.AsyncClient, model: str):
+    def __init__(self, client: BenchClient, model: str):
         self.client = client
         self.model = model
         self.description = f"the server's ({model}, via /tokenize)"
 
     @classmethod
-    async def probe(cls, client: httpx.AsyncClient, model: str) -> ServerTokenizer | None:
+    async def probe(cls, client: BenchClient, model: str) -> ServerTokenizer | None:
         """The server's tokenizer, or None when the server has no working /tokenize."""
         tokenizer = cls(client, model)
         try:
             ids = await tokenizer.encode("Hello world")
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
             return None
         return tokenizer if ids else None
 
     async def encode(self, text: str) -> list[int]:
-        r = await self.client.post("/tokenize", json={"model": self.model, "prompt": text, "add_special_tokens": False})
-        r.raise_for_status()
-        return [int(i) for i in r.json()["tokens"]]
+        reply = await self.client.json(
+            "POST", "/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False}
+        )
+        return [int(i) for i in reply["tokens"]]
 
     async def decode(self, ids: list[int]) -> str:
-        r = await self.client.post("/detokenize", json={"model": self.model, "tokens": ids})
-        r.raise_for_status()
-        return str(r.json()["prompt"])
+        reply = await self.client.json("POST", "/detokenize", {"model": self.model, "tokens": ids})
+        return str(reply["prompt"])
 
 
 class LocalTokenizer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -9,10 +10,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, TextIO
 
-import httpx
+import aiohttp
 
 from servelm.benchmark import report
-from servelm.benchmark.client import RequestResult, SamplingOptions, send_request
+from servelm.benchmark.client import BenchClient, RequestResult, SamplingOptions, send_request
 from servelm.benchmark.config import BenchConfig, Level
 from servelm.benchmark.dataset import (
     BenchRequest,
@@ -32,21 +33,26 @@ class BenchError(Exception):
     """A run that cannot start (server unreachable, no model); the message says why."""
 
 
-async def first_model(client: httpx.AsyncClient) -> str:
+async def first_model(client: BenchClient) -> str:
     """The id of the first model GET /v1/models lists."""
     try:
-        r = await client.get("/v1/models")
-    except httpx.HTTPError as exc:
-        raise BenchError(f"cannot reach {client.base_url}: {type(exc).__name__}: {exc}") from None
-    if r.status_code != 200:
-        raise BenchError(f"GET /v1/models answered HTTP {r.status_code}: {r.text[:200]}")
-    models = r.json().get("data") or []
+        async with client.request("GET", "/v1/models") as r:
+            text = await r.text(errors="replace")
+            status = r.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise BenchError(f"cannot reach {client.root}: {type(exc).__name__}: {exc}") from None
+    if status != 200:
+        raise BenchError(f"GET /v1/models answered HTTP {status}: {text[:200]}")
+    try:
+        models = json.loads(text).get("data") or []
+    except (ValueError, AttributeError):
+        raise BenchError(f"GET /v1/models answered no model list: {text[:200]}") from None
     if not models:
         raise BenchError("the server lists no models; name one with --model")
     return str(models[0]["id"])
 
 
-async def pick_tokenizer(config: BenchConfig, client: httpx.AsyncClient, model: str) -> PromptTokenizer | None:
+async def pick_tokenizer(config: BenchConfig, client: BenchClient, model: str) -> PromptTokenizer | None:
     """A local --tokenizer when given, else the server's /tokenize when it has one, else None (words)."""
     if config.tokenizer is not None:
         try:
@@ -106,13 +112,7 @@ async def run_session(config: BenchConfig, out: TextIO | None = None, err: TextI
         print(f"bench: {message}", file=err, flush=True)
 
     pool_size = max([lv.concurrency or config.num_prompts for lv in config.levels] + [1])
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    client = httpx.AsyncClient(
-        base_url=config.base_url,
-        headers=headers,
-        timeout=httpx.Timeout(config.timeout),
-        limits=httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size),
-    )
+    client = BenchClient(config.base_url, config.api_key, connections=pool_size, timeout=config.timeout)
     async with client:
         try:
             model = config.model or await first_model(client)
@@ -151,7 +151,7 @@ async def run_session(config: BenchConfig, out: TextIO | None = None, err: TextI
                 )
                 for i in range(len(config.levels))
             ]
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
             note(f"error: could not build the prompts: {type(exc).__name__}: {exc}")
             return 1
         arrival_rngs = [random.Random(rng.getrandbits(64)) for _ in config.levels]

@@ -160,7 +160,7 @@ def test_unreachable_server_exits_1(capsys):
     # with the model named, the requests themselves fail and are counted
     assert bench("--base-url", url, "--model", "m", "--num-prompts", "2", "--output-len", "2", "--no-progress") == 1
     out = capsys.readouterr().out
-    assert "c=1: 2 failed: connection error: ConnectError" in out
+    assert "c=1: 2 failed: connection error: ClientConnectorError: Cannot connect to host 127.0.0.1" in out
 
 
 def test_prompt_file_chat_at_a_request_rate_with_a_cap(serve_fake, tmp_path, capsys):

@@ -1,16 +1,19 @@
-"""One streamed request: SSE parsing, timing and every way it can fail (httpx.MockTransport)."""
+"""One streamed request: SSE parsing, timing and every way it can fail, against handlers served on 127.0.0.1."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from servelm.benchmark.client import SamplingOptions, request_body, send_request
+from servelm.benchmark.client import BenchClient, SamplingOptions, request_body, send_request
 from servelm.benchmark.dataset import BenchRequest
-from servelm.clients import sse_lines
+from servelm.clients import async_sse_lines, sse_lines
 
 REQ = BenchRequest(prompt=[5, 6, 7], prompt_len=3, output_len=4)
 
@@ -34,13 +37,22 @@ def chat_chunk(content: str | None, role: str | None = None) -> dict:
 USAGE = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
 
 
-def client_for(handler) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://bench.test")
-
-
 async def send(handler, endpoint: str = "completions", timeout: float | None = 5.0, req: BenchRequest = REQ):
-    async with client_for(handler) as client:
-        return await send_request(client, endpoint, "m", req, SamplingOptions(), timeout)
+    """send_request to a server on 127.0.0.1 whose every path answers with ``handler``."""
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", handler)
+    async with TestServer(app, host="127.0.0.1") as server:
+        async with BenchClient(str(server.make_url("/")), timeout=timeout) as client:
+            return await send_request(client, endpoint, "m", req, SamplingOptions(), timeout)
+
+
+def answer(response_factory):
+    """A handler answering every request with a fresh response from ``response_factory``."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return response_factory()
+
+    return handler
 
 
 def test_request_body_for_each_endpoint():
@@ -71,11 +83,11 @@ def test_request_body_for_each_endpoint():
 async def test_completion_stream_with_usage_counts_tokens_from_usage():
     seen = {}
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen["path"] = request.url.path
-        seen["body"] = json.loads(request.content)
+    async def handler(request: web.Request) -> web.Response:
+        seen["path"] = request.path
+        seen["body"] = await request.json()
         # two tokens in one chunk: usage, not the chunk count, gives the output length
-        return httpx.Response(200, content=sse(text_chunk("ab"), text_chunk("c"), text_chunk("d"), USAGE))
+        return web.Response(body=sse(text_chunk("ab"), text_chunk("c"), text_chunk("d"), USAGE))
 
     r = await send(handler)
     assert seen["path"] == "/v1/completions" and seen["body"]["max_tokens"] == 4
@@ -86,11 +98,10 @@ async def test_completion_stream_with_usage_counts_tokens_from_usage():
 
 
 async def test_chat_stream_skips_the_role_chunk():
-    def handler(request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/v1/chat/completions"
-        return httpx.Response(
-            200, content=sse(chat_chunk(None, role="assistant"), chat_chunk("x"), chat_chunk("y"), USAGE)
-        )
+    async def handler(request: web.Request) -> web.Response:
+        if request.path != "/v1/chat/completions":
+            return web.Response(status=404)
+        return web.Response(body=sse(chat_chunk(None, role="assistant"), chat_chunk("x"), chat_chunk("y"), USAGE))
 
     r = await send(handler, endpoint="chat", req=BenchRequest("hello", None, 4))
     assert r.error is None and r.output_tokens == 4 and len(r.itl) == 1
@@ -98,10 +109,7 @@ async def test_chat_stream_skips_the_role_chunk():
 
 
 async def test_without_usage_content_chunks_are_counted():
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=sse(text_chunk("a"), text_chunk("b"), text_chunk("")))
-
-    r = await send(handler)
+    r = await send(answer(lambda: web.Response(body=sse(text_chunk("a"), text_chunk("b"), text_chunk("")))))
     assert r.error is None and r.output_tokens == 2 and r.prompt_tokens == 3  # our own prompt length
 
 
@@ -109,36 +117,43 @@ async def test_without_usage_content_chunks_are_counted():
     ("response", "expected"),
     [
         (
-            httpx.Response(429, json={"error": {"message": "Rate limit reached", "type": "rate_limit_error"}}),
+            lambda: web.json_response(
+                {"error": {"message": "Rate limit reached", "type": "rate_limit_error"}}, status=429
+            ),
             "HTTP 429: Rate limit reached",
         ),
-        (httpx.Response(502, text="<html>bad gateway</html>"), "HTTP 502: <html>bad gateway</html>"),
+        (lambda: web.Response(status=502, text="<html>bad gateway</html>"), "HTTP 502: <html>bad gateway</html>"),
         (
-            httpx.Response(200, content=sse(text_chunk("a"), {"error": {"message": "engine failed"}})),
+            lambda: web.Response(body=sse(text_chunk("a"), {"error": {"message": "engine failed"}})),
             "stream error: engine failed",
         ),
-        (httpx.Response(200, content=sse(text_chunk("a"), text_chunk("b"), done=False)), "stream ended without [DONE]"),
-        (httpx.Response(200, content=sse(USAGE)), "no content in the stream"),
-        (httpx.Response(200, content=b"data: {not json\n\n"), "bad response: JSONDecodeError"),
+        (
+            lambda: web.Response(body=sse(text_chunk("a"), text_chunk("b"), done=False)),
+            "stream ended without [DONE]",
+        ),
+        (lambda: web.Response(body=sse(USAGE)), "no content in the stream"),
+        (lambda: web.Response(body=b"data: {not json\n\n"), "bad response: JSONDecodeError"),
     ],
 )
 async def test_failures_become_results(response, expected):
-    r = await send(lambda request: response)
+    r = await send(answer(response))
     assert r.error is not None and r.error.startswith(expected), r.error
 
 
 async def test_connection_error_becomes_a_result():
-    def handler(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=request)
-
-    r = await send(handler)
-    assert r.error == "connection error: ConnectError: connection refused"
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    async with BenchClient(f"http://127.0.0.1:{port}") as client:
+        r = await send_request(client, "completions", "m", REQ, SamplingOptions(), 5.0)
+    assert r.error is not None
+    assert r.error.startswith("connection error: ClientConnectorError: Cannot connect to host 127.0.0.1"), r.error
 
 
 async def test_a_slow_request_times_out():
-    async def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: web.Request) -> web.Response:
         await asyncio.sleep(5)
-        return httpx.Response(200, content=sse(text_chunk("a")))
+        return web.Response(body=sse(text_chunk("a")))
 
     r = await send(handler, timeout=0.05)
     assert r.error == "timeout after 0.05s"
@@ -146,24 +161,37 @@ async def test_a_slow_request_times_out():
 
 
 async def test_long_error_messages_are_shortened():
-    r = await send(lambda request: httpx.Response(400, json={"error": {"message": "x" * 1000}}))
+    r = await send(answer(lambda: web.json_response({"error": {"message": "x" * 1000}}, status=400)))
     assert r.error is not None and len(r.error) <= 200 and r.error.endswith("...")
 
 
 async def test_text_with_unicode_line_separators_is_not_cut():
     # Only CR and LF end an SSE line; a server may send U+2028 raw inside a JSON string.
-    def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: web.Request) -> web.Response:
         events = [text_chunk("a\u2028b"), text_chunk("c\x85d\u2029"), USAGE]
         body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events) + "data: [DONE]\n\n"
-        return httpx.Response(200, content=body.encode())
+        return web.Response(body=body.encode())
 
     r = await send(handler)
     assert r.error is None
     assert r.output_tokens == 4 and len(r.itl) == 1
 
 
+async def test_async_sse_lines_end_at_cr_and_lf_alone_wherever_the_bytes_break():
+    # The benchmark's reader: bytes as they arrive, split inside a CRLF and inside a character's UTF-8.
+    body = 'data: {"t":"a\u2028b\x85\u00e9"}\r\n\r\ndata: {"t":"c"}\n\ndata: [DONE]'.encode()
+    cut_crlf, cut_char = body.index(b"\r") + 1, body.index("\u00e9".encode()) + 1
+
+    async def parts():
+        for start, end in [(0, cut_char), (cut_char, cut_crlf), (cut_crlf, len(body) - 3), (len(body) - 3, None)]:
+            yield body[start:end]
+
+    lines = [line async for line in async_sse_lines(parts()) if line]
+    assert lines == ['data: {"t":"a\u2028b\x85\u00e9"}', 'data: {"t":"c"}', "data: [DONE]"]
+
+
 def test_sse_lines_end_at_cr_and_lf_alone_wherever_the_chunks_break():
-    # What `servelm chat` reads its stream with (the benchmark's async twin is tested above).
+    # What `servelm chat` reads its stream with.
     body = ['data: {"t":"a\u2028b\x85"}\r', '\n\r\ndata: {"t":"c"}\n', "\ndata: [DO", "NE]"]
 
     def handler(request: httpx.Request) -> httpx.Response:
