@@ -140,12 +140,16 @@ def _markdown(rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
+KV_INT8_SUFFIX = "-kv8"  # servelm:bf16-kv8, servelm:w8a8-kv8: --kv-cache-dtype int8
+
+
 def weight_format(server: str) -> str:
     """The weight format a server's row stands for, from its name (see bench/compare.sh's labels).
 
     ``servelm`` alone runs ``--dtype auto``: bfloat16 on CPUs with fast
     bfloat16 matmuls, which is what it is counted as.
     """
+    server = server.removesuffix(KV_INT8_SUFFIX)
     for suffix in ("q8_0", "int8", "w8a8", "fp32"):
         if server.endswith(suffix):
             return suffix
@@ -193,7 +197,9 @@ def _giga(value: float | None) -> str:
     return "-" if value is None else f"{value / 1e9:.1f}"
 
 
-def level_rates(cost: ModelCost, level: dict[str, Any], weights: str) -> tuple[float | None, float | None]:
+def level_rates(
+    cost: ModelCost, level: dict[str, Any], weights: str, kv_int8: bool = False
+) -> tuple[float | None, float | None]:
     """(achieved FLOP/s, decoding bytes/s) of one level; None where the level lacks what it needs."""
     completed = level.get(COMPLETED_KEY)
     duration = _number(level.get(DURATION_KEY))
@@ -206,7 +212,9 @@ def level_rates(cost: ModelCost, level: dict[str, Any], weights: str) -> tuple[f
     batch = min(concurrency, completed) if isinstance(concurrency, int) else 1
     step_bytes = None
     if tpot is not None:
-        step_bytes = decode_bytes_per_second(cost, batch, prompt / completed, output / completed, tpot / 1000, weights)
+        step_bytes = decode_bytes_per_second(
+            cost, batch, prompt / completed, output / completed, tpot / 1000, weights, kv_int8
+        )
     return flops, step_bytes
 
 
@@ -251,7 +259,7 @@ def limits_table(results: dict[str, dict[int, dict[str, Any]]], limits: dict[str
         weights = weight_format(name)
         for c in sorted(levels):
             level = levels[c]
-            flops, step_bytes = level_rates(cost, level, weights)
+            flops, step_bytes = level_rates(cost, level, weights, name.endswith(KV_INT8_SUFFIX))
             rows.append(
                 [
                     name,

