@@ -1,15 +1,23 @@
-"""The sampler's pass over the logits: ``log_softmax`` against the native ``log_softmax_stats``, in one run.
+"""The sampler's passes over the logits: ``log_softmax`` against the native ``log_softmax_stats``, and the
+whole ``Sampler`` call, greedy and sampled, with the kernels and with the PyTorch fallback, in one run.
 
 Each sampled token's raw logprob (and the top logprobs a request asks for)
 comes from the log-softmax of its row. The sampler used to write that whole
 ``[rows, vocab]`` tensor (``torch.log_softmax``) and then search the row's
 largest value for a greedy token (``row_blocks.row_max``); the native
 kernel makes one pass per row that gives the largest value, its index and
-the logsum, from which any logprob is ``x - largest - logsum``. This times,
-on random logits of the default models' vocabulary sizes (SmolLM2's 49152,
-Qwen2.5's 151936) for 1 and 32 rows: the two ways, then the whole greedy
-``Sampler`` call with the kernel and with the PyTorch fallback (the kernels
-turned off). Medians of --repeats calls, alternating.
+the logsum, from which any logprob is ``x - largest - logsum``. A sampled
+row's random draw (temperature, no top-k/top-p/min-p) is the native
+``draw``: the row's weights summed in blocks, the block the uniform number
+falls in searched, against PyTorch's division, softmax and two-level
+inverse transform. This times, on random logits of the default models'
+vocabulary sizes (SmolLM2's 49152, Qwen2.5's 151936) for 1 and 32 rows: the
+two passes, then the whole ``Sampler`` call, greedy and at temperature 0.8,
+with the kernels and with the PyTorch fallback (the kernels turned off).
+Medians of --repeats calls, alternating; glibc's freed memory kept, as the
+engine keeps it (``platform.memory.keep_freed_memory``: without it each
+``[rows, vocab]`` PyTorch result faults in fresh pages, several times the
+PyTorch path's time).
 
     .venv/bin/python bench/sampler_stats.py
 """
@@ -24,6 +32,7 @@ import torch
 from gemm import _median_ms
 
 from servelm import kernels
+from servelm.platform.memory import keep_freed_memory
 from servelm.engine.row_blocks import row_max
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.sampling_params import SamplingParams
@@ -34,7 +43,7 @@ def by_log_softmax(logits: torch.Tensor) -> None:
     row_max(logits)
 
 
-def greedy_call(logits: torch.Tensor, states: list[SamplingState], native: bool) -> None:
+def sampler_call(logits: torch.Tensor, states: list[SamplingState], native: bool) -> None:
     if native:
         Sampler()(logits, states)
         return
@@ -46,33 +55,40 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
+    keep_freed_memory()
     native = kernels.cpu_kernels()
     if native is None:
         raise SystemExit("servelm's CPU kernels are not available here")
     print(f"threads={torch.get_num_threads()}, milliseconds per call (median of {args.repeats})")
     print(
         f"{'vocab':>7s}{'rows':>6s}{'log_softmax+max':>17s}{'stats':>8s}{'ratio':>8s}"
-        f"{'sampler, torch':>16s}{'sampler, native':>17s}{'ratio':>8s}"
+        f"{'greedy, torch':>15s}{'native':>8s}{'ratio':>8s}{'T=0.8, torch':>14s}{'native':>8s}{'ratio':>8s}"
     )
     gen = torch.Generator().manual_seed(0)
     for vocab in (49152, 151936):
         for rows in (1, 32):
             logits = torch.randn(rows, vocab, generator=gen) * 4
-            states = [SamplingState(SamplingParams(temperature=0.0), [1, 2], 2, None, set()) for _ in range(rows)]
+            greedy, sampled = (
+                [SamplingState(SamplingParams(temperature=t), [1, 2], 2, None, set()) for _ in range(rows)]
+                for t in (0.0, 0.8)
+            )
             pairs = []
             for _ in range(3):  # alternating rounds, the machine's load shared
                 pairs.append(
                     (
                         _median_ms(partial(by_log_softmax, logits), args.repeats),
                         _median_ms(partial(native.log_softmax_stats, logits), args.repeats),
-                        _median_ms(partial(greedy_call, logits, states, False), args.repeats),
-                        _median_ms(partial(greedy_call, logits, states, True), args.repeats),
+                        _median_ms(partial(sampler_call, logits, greedy, False), args.repeats),
+                        _median_ms(partial(sampler_call, logits, greedy, True), args.repeats),
+                        _median_ms(partial(sampler_call, logits, sampled, False), args.repeats),
+                        _median_ms(partial(sampler_call, logits, sampled, True), args.repeats),
                     )
                 )
-            old, new, sampler_old, sampler_new = (sorted(col)[1] for col in zip(*pairs))
+            old, new, greedy_old, greedy_new, sampled_old, sampled_new = (sorted(col)[1] for col in zip(*pairs))
             print(
                 f"{vocab:7d}{rows:6d}{old:17.2f}{new:8.2f}{old / new:7.2f}x"
-                f"{sampler_old:16.2f}{sampler_new:17.2f}{sampler_old / sampler_new:7.2f}x"
+                f"{greedy_old:15.2f}{greedy_new:8.2f}{greedy_old / greedy_new:7.2f}x"
+                f"{sampled_old:14.2f}{sampled_new:8.2f}{sampled_old / sampled_new:7.2f}x"
             )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from servelm import kernels
 from servelm.engine.grammar_matcher import GrammarMatcher, mask_logits
 from servelm.engine.row_blocks import inverse_cdf, log_softmax_stats, mass_threshold, row_max
 from servelm.engine.sampling_params import SamplingParams
@@ -270,15 +271,39 @@ def _sample(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> 
     A row whose distribution degenerates (no finite, positive probability
     left: everything banned, or an overflow to infinity) takes the greedy
     token of its processed logits instead; the other rows are unaffected.
+    Where no row asks for top-k, top-p or min-p, the CPU kernels draw from
+    the logits as they are, the temperature applied as they go: no
+    ``[rows, vocab]`` distribution is written.
     """
-    probs, degenerate = sampling_probs(x, states)
-    if not degenerate.any():
-        return random_choice(probs, [s.generator for s in states])
-    # The draw still runs for every row, so seeded rows consume their generators as always.
-    tokens = random_choice(torch.where(degenerate[:, None], 1.0, probs), [s.generator for s in states])
-    bad = degenerate.nonzero()[:, 0]
-    tokens[bad] = greedy_tokens(x[bad], raw[bad])
+    generators = [s.generator for s in states]
+    native = kernels.for_tensors(x)
+    if (
+        native is not None
+        and x.dtype == torch.float32
+        and x.stride(1) == 1
+        and not any(_stage_rows(x.shape[1], states))
+    ):
+        scale = torch.tensor([1.0 / s.params.temperature for s in states])
+        tokens = native.draw(x, scale, uniforms(len(states), generators, x.dtype, x.device)[:, 0])
+        degenerate = tokens < 0
+    else:
+        probs, degenerate = sampling_probs(x, states)
+        # The draw runs for every row, so seeded rows consume their generators as always.
+        tokens = random_choice(torch.where(degenerate[:, None], 1.0, probs) if degenerate.any() else probs, generators)
+    if degenerate.any():
+        bad = degenerate.nonzero()[:, 0]
+        tokens[bad] = greedy_tokens(x[bad], raw[bad])
     return tokens
+
+
+def _stage_rows(vocab: int, states: list[SamplingState]) -> tuple[list[int], list[int], list[int]]:
+    """The rows that ask for top-k, top-p and min-p."""
+    params = [s.params for s in states]
+    return (
+        [i for i, p in enumerate(params) if 0 < p.top_k < vocab],
+        [i for i, p in enumerate(params) if p.top_p < 1.0],
+        [i for i, p in enumerate(params) if p.min_p > 0.0],
+    )
 
 
 def sampling_probs(x: torch.Tensor, states: list[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,15 +313,12 @@ def sampling_probs(x: torch.Tensor, states: list[SamplingState]) -> tuple[torch.
     then softmax. A degenerate row (True in the second tensor) has no finite,
     positive probability left, and its draw must fall back to greedy.
     """
-    dev, vocab = x.device, x.shape[1]
+    dev = x.device
     params = [s.params for s in states]
     if any(p.temperature != 1.0 for p in params):  # 1.0 (OpenAI's default) leaves a row as it is
         x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
-    stages = (
-        (apply_top_k, [i for i, p in enumerate(params) if 0 < p.top_k < vocab], "top_k"),
-        (apply_top_p, [i for i, p in enumerate(params) if p.top_p < 1.0], "top_p"),
-        (apply_min_p, [i for i, p in enumerate(params) if p.min_p > 0.0], "min_p"),
-    )
+    top_k, top_p, min_p = _stage_rows(x.shape[1], states)
+    stages = ((apply_top_k, top_k, "top_k"), (apply_top_p, top_p, "top_p"), (apply_min_p, min_p, "min_p"))
     for stage, rows, name in stages:
         if rows:
             # Only the rows that asked: a row's result must not depend on its batch mates.
@@ -361,19 +383,24 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
 def random_choice(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Draw one index per row from ``probs`` (rows sum to 1, up to rounding).
 
-    Inverse transform: one uniform number per row, looked up in the row's
-    running sum (``row_blocks.inverse_cdf``). A row with a generator draws
-    its number from that generator alone, so its token does not depend on
-    the rest of the batch.
+    Inverse transform: one uniform number per row (:func:`uniforms`), looked
+    up in the row's running sum (``row_blocks.inverse_cdf``).
     """
-    rows = probs.shape[0]
-    u = torch.empty(rows, 1, dtype=probs.dtype, device=probs.device)
+    return inverse_cdf(probs, uniforms(probs.shape[0], generators, probs.dtype, probs.device))
+
+
+def uniforms(
+    rows: int, generators: list[torch.Generator | None], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``[rows, 1]`` numbers drawn uniformly from [0, 1), one per row. A row with a generator draws its number
+    from that generator alone, so its token does not depend on the rest of the batch."""
+    u = torch.empty(rows, 1, dtype=dtype, device=device)
     if any(g is None for g in generators):
         u.uniform_()
     for i, g in enumerate(generators):
         if g is not None:
             u[i].uniform_(generator=g)
-    return inverse_cdf(probs, u)
+    return u
 
 
 def top_logprobs(

@@ -102,6 +102,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> log_softmax_stats(const at::Tenso
     return {largest, at, logsum};
 }
 
+at::Tensor draw(const at::Tensor &x, const at::Tensor &scale, const at::Tensor &u) {
+    const char *op = "draw";
+    check_cpu(op, {&x, &scale, &u});
+    CHECK_ARG(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, op,
+              ": x must be float32 [rows, vocab > 0] with contiguous rows");
+    const int64_t rows = x.size(0);
+    for (const at::Tensor *t : {&scale, &u})
+        CHECK_ARG(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == rows && t->is_contiguous(), op,
+                  ": scale and u must be contiguous float32 [rows]");
+    at::Tensor token = at::empty({rows}, x.options().dtype(at::kLong));
+    draw_f32(x.data_ptr<float>(), rows, x.size(1), x.stride(0), scale.data_ptr<float>(), u.data_ptr<float>(),
+             token.data_ptr<int64_t>(), at::get_num_threads());
+    return token;
+}
+
 at::Tensor int8_linear(const at::Tensor &x_arg, const at::Tensor &qweight, const at::Tensor &scales_arg) {
     const char *op = "int8_linear";
     check_cpu(op, {&x_arg, &qweight, &scales_arg});
@@ -246,6 +261,7 @@ TORCH_LIBRARY_FRAGMENT(servelm, m) {
     m.def("rope_(Tensor(a!) x, int heads, int head_dim, Tensor cos_sin, Tensor positions) -> ()");
     m.def("silu_mul(Tensor gate_up) -> Tensor");
     m.def("log_softmax_stats(Tensor x) -> (Tensor, Tensor, Tensor)");
+    m.def("draw(Tensor x, Tensor scale, Tensor u) -> Tensor");
     m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
     m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("pack_pairs(Tensor weight) -> Tensor?");
@@ -262,6 +278,7 @@ TORCH_LIBRARY_IMPL(servelm, CPU, m) {
     m.impl("rope_", &servelm::rope_);
     m.impl("silu_mul", &servelm::silu_mul);
     m.impl("log_softmax_stats", &servelm::log_softmax_stats);
+    m.impl("draw", &servelm::draw);
     m.impl("int8_linear", &servelm::int8_linear);
     m.impl("gemv", &servelm::gemv);
     m.impl("pack_pairs", &servelm::pack_pairs);

@@ -80,6 +80,7 @@ class CpuKernels:
         self._rope = ops.rope_.default
         self._silu_mul = ops.silu_mul.default
         self._log_softmax_stats = ops.log_softmax_stats.default
+        self._draw = ops.draw.default
         self._int8_linear = ops.int8_linear.default
         self._gemv = ops.gemv.default
         self._pack_pairs = ops.pack_pairs.default
@@ -189,6 +190,14 @@ class CpuKernels:
         ``largest`` and ``index`` are ``x.max(dim=-1)``'s (a NaN counts as largest); ``logsum`` is
         ``log(sum(exp(x - largest)))``, NaN where ``largest`` is not finite, as the log-softmax row then is."""
         return self._log_softmax_stats(x)
+
+    def draw(self, x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One token per row of float32 ``x`` ``[rows, vocab]`` (rows contiguous), drawn from ``softmax(x *
+        scale[:, None])`` with the uniform number ``u`` (``[rows]``, in [0, 1)) as ``row_blocks.inverse_cdf``
+        draws from ``probs``: the first index whose running sum exceeds ``u`` times the row's total, never a
+        token of probability 0. int64 ``[rows]``; -1 where the row has no distribution (a NaN or +inf in it,
+        or nothing above -inf). One pass over each row for its largest value, one for its weights."""
+        return self._draw(x, scale, u)
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """``x W^T`` for one bfloat16 row ``x`` ``[1, K]``, ``W`` = int8 ``qweight`` ``[N, K]`` times bfloat16

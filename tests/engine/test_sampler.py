@@ -404,6 +404,57 @@ def test_the_native_pass_over_the_logits_gives_what_pytorch_gives(monkeypatch):
     assert native.logprobs[1] == pytest.approx(raw[1].max().item(), abs=1e-5)  # greedy: the top raw logprob
 
 
+def test_the_native_draw_takes_the_token_whose_share_of_the_running_sum_holds_the_uniform_number():
+    # The kernel's draw against the inverse transform in float64: the token found must be the one whose
+    # interval of the running sum holds u (up to float32 rounding of sums over the row), never a banned one,
+    # across block edges, a partial last block and several temperatures; and -1 for rows with no distribution.
+    from servelm import kernels
+
+    vocab = 3 * BLOCK + 5
+    rows = 400
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    banned = torch.rand(rows, vocab, generator=generator) < 0.3
+    banned[:, [0, BLOCK - 1, BLOCK, vocab - 1]] = True  # edges of blocks, the row's first and last
+    logits[banned] = float("-inf")
+    logits[7, :] = float("-inf")
+    logits[7, vocab - 1] = 2.0  # the only token left is the last of the partial block
+    logits[8, :-1] = float("-inf")
+    logits[8, -1] = -1.0
+    scale = torch.tensor([0.5, 1.0, 1.25, 4.0]).repeat(rows // 4)
+    u = torch.rand(rows, generator=generator)
+    u[:4] = torch.tensor([0.0, 1.0 - 2**-24, 0.5, 0.999])
+    native = kernels.for_tensors(logits)
+    assert native is not None
+    tokens = native.draw(logits, scale, u)
+    probs = torch.softmax(logits.double() * scale.double()[:, None], dim=-1)
+    after = probs.cumsum(dim=-1)
+    for r, t in enumerate(tokens.tolist()):
+        assert probs[r, t] > 0, r
+        assert after[r, t] - probs[r, t] - 1e-5 <= u[r] <= after[r, t] + 1e-5, r
+    assert tokens[7] == vocab - 1 and tokens[8] == vocab - 1
+
+    broken = torch.zeros(3, 40)
+    broken[0, 5] = float("nan")
+    broken[1, 9] = float("inf")
+    broken[2] = float("-inf")
+    assert native.draw(broken, torch.ones(3), torch.full((3,), 0.5)).tolist() == [-1, -1, -1]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_row_with_no_distribution_falls_back_to_greedy_beside_drawn_rows(native, monkeypatch):
+    from servelm import kernels
+
+    if not native:
+        monkeypatch.setattr(kernels, "for_tensors", lambda *tensors: None)
+    logits = torch.randn(3, 2000)
+    logits[1] = float("-inf")
+    logits[1, 17] = float("inf")  # softmax of it is NaN: the row takes its greedy token
+    out = Sampler()(logits, [state(SamplingParams(seed=1)), state(), state(SamplingParams(temperature=0.7))])
+    assert out.token_ids[1] == 17
+    assert all(0 <= t < 2000 for t in out.token_ids)
+
+
 def test_top_logprobs_none_when_nobody_asks_and_k_clamped_to_vocab():
     logits = torch.randn(2, 6)
     assert Sampler()(logits, [state(), state()]).top_logprobs is None

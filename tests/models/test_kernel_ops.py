@@ -21,6 +21,7 @@ OPS = [
     "rope_",
     "silu_mul",
     "log_softmax_stats",
+    "draw",
     "int8_linear",
     "gemv",
     "pack_pairs",
@@ -72,6 +73,15 @@ def test_rejects_inputs_it_cannot_read(native):
     for logits in (torch.zeros(2, 0), torch.zeros(2, 8).t(), torch.zeros(2, 8).bfloat16(), torch.zeros(8)):
         with pytest.raises(ValueError, match="float32"):
             native.log_softmax_stats(logits)
+        with pytest.raises(ValueError, match="float32"):
+            native.draw(logits, torch.ones(2), torch.zeros(2))
+    for scale, u in (
+        (torch.ones(3), torch.zeros(2)),
+        (torch.ones(2), torch.zeros(2).double()),
+        (torch.ones(2, 1), torch.zeros(2)),
+    ):
+        with pytest.raises(ValueError, match="scale and u"):
+            native.draw(torch.zeros(2, 8), scale, u)
     pairs = torch.zeros(32 * 16, dtype=torch.bfloat16)  # a [32, 16] weight in the pair layout
     with pytest.raises(ValueError, match="agreeing shapes"):
         native.gemm_pairs(torch.zeros(2, 8, dtype=torch.bfloat16), pairs, 32)
