@@ -7,13 +7,13 @@ comes from the log-softmax of its row. The sampler used to write that whole
 largest value for a greedy token (``row_blocks.row_max``); the native
 kernel makes one pass per row that gives the largest value, its index and
 the logsum, from which any logprob is ``x - largest - logsum``. A sampled
-row's random draw (temperature, no top-k/top-p/min-p) is the native
-``draw``: the row's weights summed in blocks, the block the uniform number
-falls in searched, against PyTorch's division, softmax and two-level
-inverse transform. This times, on random logits of the default models'
+row's random draw is the native ``draw``: the row's weights summed in
+blocks, the block the uniform number falls in searched, top-p's cutoff found
+from bucket sums of the weights' bits, against PyTorch's division, softmax,
+``topk`` of 1024 candidates for top-p and two-level inverse transform. This times, on random logits of the default models'
 vocabulary sizes (SmolLM2's 49152, Qwen2.5's 151936) for 1 and 32 rows: the
-two passes, then the whole ``Sampler`` call, greedy and at temperature 0.8,
-with the kernels and with the PyTorch fallback (the kernels turned off).
+two passes, then the whole ``Sampler`` call, greedy, at temperature 0.8, and
+at 0.8 with top_p 0.95, with the kernels and with the PyTorch fallback (the kernels turned off).
 Medians of --repeats calls, alternating; glibc's freed memory kept, as the
 engine keeps it (``platform.memory.keep_freed_memory``: without it each
 ``[rows, vocab]`` PyTorch result faults in fresh pages, several times the
@@ -32,10 +32,10 @@ import torch
 from gemm import _median_ms
 
 from servelm import kernels
-from servelm.platform.memory import keep_freed_memory
 from servelm.engine.row_blocks import row_max
 from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.sampling_params import SamplingParams
+from servelm.platform.memory import keep_freed_memory
 
 
 def by_log_softmax(logits: torch.Tensor) -> None:
@@ -63,14 +63,19 @@ def main() -> None:
     print(
         f"{'vocab':>7s}{'rows':>6s}{'log_softmax+max':>17s}{'stats':>8s}{'ratio':>8s}"
         f"{'greedy, torch':>15s}{'native':>8s}{'ratio':>8s}{'T=0.8, torch':>14s}{'native':>8s}{'ratio':>8s}"
+        f"{'top-p, torch':>14s}{'native':>8s}{'ratio':>8s}"
     )
     gen = torch.Generator().manual_seed(0)
     for vocab in (49152, 151936):
         for rows in (1, 32):
             logits = torch.randn(rows, vocab, generator=gen) * 4
-            greedy, sampled = (
-                [SamplingState(SamplingParams(temperature=t), [1, 2], 2, None, set()) for _ in range(rows)]
-                for t in (0.0, 0.8)
+            greedy, sampled, top_p = (
+                [SamplingState(params, [1, 2], 2, None, set()) for _ in range(rows)]
+                for params in (
+                    SamplingParams(temperature=0.0),
+                    SamplingParams(temperature=0.8),
+                    SamplingParams(temperature=0.8, top_p=0.95),
+                )
             )
             pairs = []
             for _ in range(3):  # alternating rounds, the machine's load shared
@@ -82,13 +87,18 @@ def main() -> None:
                         _median_ms(partial(sampler_call, logits, greedy, True), args.repeats),
                         _median_ms(partial(sampler_call, logits, sampled, False), args.repeats),
                         _median_ms(partial(sampler_call, logits, sampled, True), args.repeats),
+                        _median_ms(partial(sampler_call, logits, top_p, False), args.repeats),
+                        _median_ms(partial(sampler_call, logits, top_p, True), args.repeats),
                     )
                 )
-            old, new, greedy_old, greedy_new, sampled_old, sampled_new = (sorted(col)[1] for col in zip(*pairs))
+            old, new, greedy_old, greedy_new, sampled_old, sampled_new, top_p_old, top_p_new = (
+                sorted(col)[1] for col in zip(*pairs)
+            )
             print(
                 f"{vocab:7d}{rows:6d}{old:17.2f}{new:8.2f}{old / new:7.2f}x"
                 f"{greedy_old:15.2f}{greedy_new:8.2f}{greedy_old / greedy_new:7.2f}x"
                 f"{sampled_old:14.2f}{sampled_new:8.2f}{sampled_old / sampled_new:7.2f}x"
+                f"{top_p_old:14.2f}{top_p_new:8.2f}{top_p_old / top_p_new:7.2f}x"
             )
 
 

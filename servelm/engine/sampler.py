@@ -271,20 +271,22 @@ def _sample(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> 
     A row whose distribution degenerates (no finite, positive probability
     left: everything banned, or an overflow to infinity) takes the greedy
     token of its processed logits instead; the other rows are unaffected.
-    Where no row asks for top-k, top-p or min-p, the CPU kernels draw from
-    the logits as they are, the temperature applied as they go: no
-    ``[rows, vocab]`` distribution is written.
+    On CPU the kernels draw from the logits as they are, the temperature
+    and the truncations applied as they go: no ``[rows, vocab]``
+    distribution is written, no row sorted.
     """
     generators = [s.generator for s in states]
     native = kernels.for_tensors(x)
-    if (
-        native is not None
-        and x.dtype == torch.float32
-        and x.stride(1) == 1
-        and not any(_stage_rows(x.shape[1], states))
-    ):
-        scale = torch.tensor([1.0 / s.params.temperature for s in states])
-        tokens = native.draw(x, scale, uniforms(len(states), generators, x.dtype, x.device)[:, 0])
+    if native is not None and x.dtype == torch.float32 and x.stride(1) == 1:
+        params = [s.params for s in states]
+        tokens = native.draw(
+            x,
+            torch.tensor([1.0 / p.temperature for p in params]),
+            torch.tensor([p.top_k for p in params]),
+            torch.tensor([p.top_p for p in params]),
+            torch.tensor([p.min_p for p in params]),
+            uniforms(len(states), generators, x.dtype, x.device)[:, 0],
+        )
         degenerate = tokens < 0
     else:
         probs, degenerate = sampling_probs(x, states)
@@ -296,16 +298,6 @@ def _sample(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> 
     return tokens
 
 
-def _stage_rows(vocab: int, states: list[SamplingState]) -> tuple[list[int], list[int], list[int]]:
-    """The rows that ask for top-k, top-p and min-p."""
-    params = [s.params for s in states]
-    return (
-        [i for i, p in enumerate(params) if 0 < p.top_k < vocab],
-        [i for i, p in enumerate(params) if p.top_p < 1.0],
-        [i for i, p in enumerate(params) if p.min_p > 0.0],
-    )
-
-
 def sampling_probs(x: torch.Tensor, states: list[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
     """The distribution each row's random draw samples from, and which rows degenerate.
 
@@ -313,12 +305,15 @@ def sampling_probs(x: torch.Tensor, states: list[SamplingState]) -> tuple[torch.
     then softmax. A degenerate row (True in the second tensor) has no finite,
     positive probability left, and its draw must fall back to greedy.
     """
-    dev = x.device
+    dev, vocab = x.device, x.shape[1]
     params = [s.params for s in states]
     if any(p.temperature != 1.0 for p in params):  # 1.0 (OpenAI's default) leaves a row as it is
         x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
-    top_k, top_p, min_p = _stage_rows(x.shape[1], states)
-    stages = ((apply_top_k, top_k, "top_k"), (apply_top_p, top_p, "top_p"), (apply_min_p, min_p, "min_p"))
+    stages = (
+        (apply_top_k, [i for i, p in enumerate(params) if 0 < p.top_k < vocab], "top_k"),
+        (apply_top_p, [i for i, p in enumerate(params) if p.top_p < 1.0], "top_p"),
+        (apply_min_p, [i for i, p in enumerate(params) if p.min_p > 0.0], "min_p"),
+    )
     for stage, rows, name in stages:
         if rows:
             # Only the rows that asked: a row's result must not depend on its batch mates.

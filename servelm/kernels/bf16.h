@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32 for the kernels: a bfloat16 is the top half of a float32. */
+/* bfloat16 <-> float32 for the kernels (a bfloat16 is the top half of a float32), and float32's bits. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -34,3 +34,12 @@ static inline __m512 widen16_bits(__m256i bits) {
 
 static inline __m512 widen16(const uint16_t *p) { return widen16_bits(_mm256_loadu_si256((const __m256i *)p)); }
 #endif
+
+/* Bits tell NaN and infinity apart: -ffast-math lets the compiler assume neither exists. */
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+static inline int f32_is_nan(float f) { return (f32_bits(f) & 0x7fffffffu) > 0x7f800000u; }
+static inline int f32_is_finite(float f) { return (f32_bits(f) & 0x7f800000u) != 0x7f800000u; }

@@ -1,7 +1,7 @@
 /* Fused elementwise ops of the decoder, for CPUs: each replaces a chain of
  * small PyTorch ops (8 for a norm, 20 for RoPE on q and k) whose per-op
- * overhead dominates at small batch; and the sampler's passes over the
- * logits (log_softmax_stats, the random draw). Every rounding matches the PyTorch
+ * overhead dominates at small batch; and the sampler's one pass over the
+ * logits (log_softmax_stats; its random draw is in sample.c). Every rounding matches the PyTorch
  * code it replaces (servelm/models/llama.py): float32 arithmetic, results
  * rounded to the tensor's dtype where PyTorch's intermediate would be (exp's
  * last bit, theirs or PyTorch's, can still tip a bfloat16 rounding now and
@@ -113,15 +113,6 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 DEFINE_SILU_MUL(bf16, uint16_t, bf16_to_f32, f32_to_bf16, bf16_round)
 #endif
 
-/* Bits tell NaN and infinity apart: -ffast-math lets the compiler assume neither exists. */
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-static inline int f32_is_nan(float f) { return (f32_bits(f) & 0x7fffffffu) > 0x7f800000u; }
-static inline int f32_is_finite(float f) { return (f32_bits(f) & 0x7f800000u) != 0x7f800000u; }
-
 /* One row of log_softmax_stats: its largest value (the first NaN if it has one, as torch.max) at *at, and
  * log(sum of exp(x - largest)), NaN where the largest is not finite, as log_softmax's row then is. */
 static float row_stats(const float *x, int64_t V, float *largest, int64_t *at) {
@@ -183,100 +174,6 @@ void log_softmax_stats_f32(const float *x, int64_t rows, int64_t V, int64_t stri
     const int64_t width = V;
     PARALLEL
     for (int64_t r = 0; r < rows; r++) logsum[r] = row_stats(x + r * stride, V, largest + r, at + r);
-}
-
-/* The largest of x[0..V), NaN if it holds one. */
-static float row_largest(const float *x, int64_t V) {
-    int64_t i = 0;
-    float m = -INFINITY;
-#ifdef __AVX512F__
-    __m512 vm = _mm512_set1_ps(-INFINITY);
-    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
-    __mmask16 nan = 0;
-    for (; i + 16 <= V; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
-        nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), inf_bits);
-        vm = _mm512_max_ps(vm, v);
-    }
-    if (nan) return NAN;
-    m = _mm512_reduce_max_ps(vm);
-#endif
-    for (; i < V; i++) {
-        if (f32_is_nan(x[i])) return NAN;
-        m = x[i] > m ? x[i] : m;
-    }
-    return m;
-}
-
-/* w[i] = exp((x[i] - m) * scale) for i in [0, n), 0 for an x[i] of -inf, and their sum. */
-static float draw_weights(const float *x, int64_t n, float m, float scale, float *w) {
-    int64_t i = 0;
-    float sum = 0.f;
-#ifdef __AVX512F__
-    __m512 vs = _mm512_setzero_ps();
-    const __m512 vmax = _mm512_set1_ps(m), vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-200.f);
-    for (; i + 16 <= n; i += 16) {
-        const __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vmax), vscale);
-        const __m512 e = exp16(_mm512_max_ps(z, floor)); /* exp16(-inf) is NaN; e^-200 is 0 in float32 */
-        _mm512_storeu_ps(w + i, e);
-        vs = _mm512_add_ps(vs, e);
-    }
-    sum = _mm512_reduce_add_ps(vs);
-#endif
-    for (; i < n; i++) {
-        const float z = (x[i] - m) * scale;
-        w[i] = z > -200.f ? expf(z) : 0.f;
-        sum += w[i];
-    }
-    return sum;
-}
-
-/* One row's random draw from softmax(x * scale), the sampler's inverse transform: the first index whose
- * running sum of weights exceeds u times the row's total, found from the sums of blocks of DRAW_BLOCK
- * columns, then a running sum inside the block found. A token of weight 0 (banned: -inf) adds nothing to
- * the sum, so it is never the one found. -1 when the row has no distribution: a NaN or +inf in it, or
- * nothing above -inf. */
-#define DRAW_BLOCK 1024
-static int64_t draw_row(const float *x, int64_t V, float scale, float u, float *block_sums) {
-    const float m = row_largest(x, V);
-    if (!f32_is_finite(m)) return -1;
-    float w[DRAW_BLOCK];
-    const int64_t nblocks = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
-    float total = 0.f;
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t start = b * DRAW_BLOCK, n = V - start < DRAW_BLOCK ? V - start : DRAW_BLOCK;
-        block_sums[b] = draw_weights(x + start, n, m, scale, w);
-        total += block_sums[b];
-    }
-    float target = u * total;
-    int64_t b = 0;
-    for (; b < nblocks - 1 && target >= block_sums[b]; b++) target -= block_sums[b];
-    const int64_t start = b * DRAW_BLOCK, n = V - start < DRAW_BLOCK ? V - start : DRAW_BLOCK;
-    draw_weights(x + start, n, m, scale, w);
-    /* The block's running sum can fall short of the target by rounding: then its last token of any weight. */
-    int64_t last = -1;
-    float run = 0.f;
-    for (int64_t i = 0; i < n; i++) {
-        if (w[i] > 0.f) {
-            run += w[i];
-            last = i;
-            if (run > target) break;
-        }
-    }
-    if (last >= 0) return start + last;
-    for (int64_t i = V - 1; i >= 0; i--) /* nothing of weight in the last block: a largest token instead */
-        if (x[i] == m) return i;
-    return -1; /* cannot happen: m is one of x's values */
-}
-
-void draw_f32(const float *x, int64_t rows, int64_t V, int64_t stride, const float *scale, const float *u,
-              int64_t *token, int nthreads) {
-    const int64_t width = V;
-    PARALLEL
-    for (int64_t r = 0; r < rows; r++) {
-        float block_sums[(V + DRAW_BLOCK - 1) / DRAW_BLOCK];
-        token[r] = draw_row(x + r * stride, V, scale[r], u[r], block_sums);
-    }
 }
 
 /* This step's K and V rows into their cache slots: row t of key (value), at

@@ -84,13 +84,15 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inner,
  * counts as largest); logsum is NaN where largest is not finite, as the log_softmax row is then. */
 void log_softmax_stats_f32(const float *x, int64_t rows, int64_t V, int64_t stride, float *largest, int64_t *at,
                            float *logsum, int nthreads);
-/* One random draw per row r of x [rows, V] (row r at x + r * stride) from softmax(x[r] * scale[r]): the first
- * index whose running sum of the row's weights exceeds u[r] (in [0, 1)) times their total, never a token of
- * weight 0; -1 for a row with a NaN or +inf, or nothing above -inf. */
-void draw_f32(const float *x, int64_t rows, int64_t V, int64_t stride, const float *scale, const float *u,
-              int64_t *token, int nthreads);
 void write_kv(char *k_cache, char *v_cache, const char *key, const char *value, int64_t stride, const int64_t *slots,
               int64_t rows, int64_t row_bytes);
+
+/* sample.c: one random draw per row r of x [rows, V] (row r at x + r * stride) from softmax(x[r] * scale[r])
+ * after top-k (top_k[r] <= 0 or >= V: none), top-p (top_p[r] >= 1: none) and min-p (min_p[r] <= 0: none): the
+ * first index whose running sum of the kept weights exceeds u[r] (in [0, 1)) times their total, never a token
+ * of weight 0; -1 for a row with a NaN or +inf, or nothing above -inf (or no memory for a truncating row). */
+void draw_f32(const float *x, int64_t rows, int64_t V, int64_t stride, const float *scale, const int64_t *top_k,
+              const float *top_p, const float *min_p, const float *u, int64_t *token, int nthreads);
 
 /* gemv.c */
 void bf16_gemv(const uint16_t *x, int64_t K, const uint16_t *w, const uint16_t *bias, int64_t N, uint16_t *out,

@@ -191,13 +191,22 @@ class CpuKernels:
         ``log(sum(exp(x - largest)))``, NaN where ``largest`` is not finite, as the log-softmax row then is."""
         return self._log_softmax_stats(x)
 
-    def draw(self, x: torch.Tensor, scale: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """One token per row of float32 ``x`` ``[rows, vocab]`` (rows contiguous), drawn from ``softmax(x *
-        scale[:, None])`` with the uniform number ``u`` (``[rows]``, in [0, 1)) as ``row_blocks.inverse_cdf``
-        draws from ``probs``: the first index whose running sum exceeds ``u`` times the row's total, never a
-        token of probability 0. int64 ``[rows]``; -1 where the row has no distribution (a NaN or +inf in it,
-        or nothing above -inf). One pass over each row for its largest value, one for its weights."""
-        return self._draw(x, scale, u)
+    def draw(
+        self,
+        x: torch.Tensor,
+        scale: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        u: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per row of float32 ``x`` ``[rows, vocab]`` (rows contiguous), drawn with the uniform number
+        ``u`` (in [0, 1)) from ``softmax(x * scale[:, None])`` after top-k, top-p and min-p, as the sampler's
+        PyTorch stages and ``row_blocks.inverse_cdf`` draw it: the first index whose running sum of the kept
+        probabilities exceeds ``u`` times their total, never a token of probability 0. ``top_k`` (int64) <= 0 or
+        >= vocab, ``top_p`` >= 1 and ``min_p`` <= 0 leave a row whole; the others are float32, all ``[rows]``.
+        int64 ``[rows]``; -1 where the row has no distribution (a NaN or +inf in it, or nothing above -inf)."""
+        return self._draw(x, scale, top_k, top_p, min_p, u)
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """``x W^T`` for one bfloat16 row ``x`` ``[1, K]``, ``W`` = int8 ``qweight`` ``[N, K]`` times bfloat16

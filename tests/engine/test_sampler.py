@@ -18,6 +18,7 @@ from servelm.engine.sampler import (
     apply_top_p,
     make_generator,
     random_choice,
+    sampling_probs,
     token_counts,
 )
 from servelm.engine.sampling_params import SamplingParams
@@ -404,12 +405,35 @@ def test_the_native_pass_over_the_logits_gives_what_pytorch_gives(monkeypatch):
     assert native.logprobs[1] == pytest.approx(raw[1].max().item(), abs=1e-5)  # greedy: the top raw logprob
 
 
-def test_the_native_draw_takes_the_token_whose_share_of_the_running_sum_holds_the_uniform_number():
-    # The kernel's draw against the inverse transform in float64: the token found must be the one whose
-    # interval of the running sum holds u (up to float32 rounding of sums over the row), never a banned one,
-    # across block edges, a partial last block and several temperatures; and -1 for rows with no distribution.
+def _native_draw(logits, params, u):
     from servelm import kernels
 
+    native = kernels.for_tensors(logits)
+    assert native is not None
+    return native.draw(
+        logits,
+        torch.tensor([1.0 / p.temperature for p in params]),
+        torch.tensor([p.top_k for p in params]),
+        torch.tensor([p.top_p for p in params]),
+        torch.tensor([p.min_p for p in params]),
+        u,
+    )
+
+
+def _assert_drawn_from(tokens, probs, u):
+    """Each row's token is the one whose interval of the running sum of ``probs`` holds ``u`` (up to float32
+    rounding of sums over the row): the inverse transform, never a token of probability 0."""
+    probs = probs.double()
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    after = probs.cumsum(dim=-1)
+    for r, t in enumerate(tokens.tolist()):
+        assert probs[r, t] > 0, r
+        assert after[r, t] - probs[r, t] - 1e-5 <= u[r] <= after[r, t] + 1e-5, r
+
+
+def test_the_native_draw_takes_the_token_whose_share_of_the_running_sum_holds_the_uniform_number():
+    # No truncation: across block edges, a partial last block and several temperatures; banned tokens,
+    # rows whose only token is the last; u at 0 and just below 1.
     vocab = 3 * BLOCK + 5
     rows = 400
     generator = torch.Generator().manual_seed(5)
@@ -421,24 +445,52 @@ def test_the_native_draw_takes_the_token_whose_share_of_the_running_sum_holds_th
     logits[7, vocab - 1] = 2.0  # the only token left is the last of the partial block
     logits[8, :-1] = float("-inf")
     logits[8, -1] = -1.0
-    scale = torch.tensor([0.5, 1.0, 1.25, 4.0]).repeat(rows // 4)
+    temperatures = [2.0, 1.0, 0.8, 0.25] * (rows // 4)
+    params = [SamplingParams(temperature=t) for t in temperatures]
     u = torch.rand(rows, generator=generator)
     u[:4] = torch.tensor([0.0, 1.0 - 2**-24, 0.5, 0.999])
-    native = kernels.for_tensors(logits)
-    assert native is not None
-    tokens = native.draw(logits, scale, u)
-    probs = torch.softmax(logits.double() * scale.double()[:, None], dim=-1)
-    after = probs.cumsum(dim=-1)
-    for r, t in enumerate(tokens.tolist()):
-        assert probs[r, t] > 0, r
-        assert after[r, t] - probs[r, t] - 1e-5 <= u[r] <= after[r, t] + 1e-5, r
+    tokens = _native_draw(logits, params, u)
+    _assert_drawn_from(tokens, torch.softmax(logits.double() / torch.tensor(temperatures)[:, None], dim=-1), u)
     assert tokens[7] == vocab - 1 and tokens[8] == vocab - 1
 
     broken = torch.zeros(3, 40)
     broken[0, 5] = float("nan")
     broken[1, 9] = float("inf")
     broken[2] = float("-inf")
-    assert native.draw(broken, torch.ones(3), torch.full((3,), 0.5)).tolist() == [-1, -1, -1]
+    assert _native_draw(broken, [SamplingParams()] * 3, torch.full((3,), 0.5)).tolist() == [-1, -1, -1]
+
+
+@pytest.mark.parametrize(
+    "truncation",
+    [
+        {"top_k": 5},
+        {"top_k": 300},  # more than the kernel's heap on the stack holds
+        {"top_p": 0.8},
+        {"top_p": 0.999},
+        {"min_p": 0.05},
+        {"top_k": 40, "top_p": 0.9, "min_p": 0.01},
+        {"top_k": 2000, "top_p": 0.95, "temperature": 1.7},
+    ],
+)
+def test_the_native_draw_keeps_the_tokens_the_pytorch_stages_keep(truncation):
+    # Rows peaky, flat and in between, with banned tokens; one whose top-p nucleus reaches into tokens of
+    # under 2^-16 of the largest's weight, one of equal logits (top-p keeps the ties). The kernel's token
+    # must come from the distribution sampling_probs (the PyTorch stages) makes, at u's place in it.
+    vocab = 3 * BLOCK + 5
+    rows = 96
+    generator = torch.Generator().manual_seed(11)
+    spread = torch.tensor([8.0, 3.0, 1.0, 0.1]).repeat(rows // 4)[:, None]
+    logits = torch.randn(rows, vocab, generator=generator) * spread
+    logits[torch.rand(rows, vocab, generator=generator) < 0.2] = float("-inf")
+    logits[5] = -12.0 + 0.1 * torch.randn(vocab, generator=generator)
+    logits[5, 17] = 0.0  # weights of the others about e^-12, under 2^-16 of its
+    logits[6] = 1.5
+    params = SamplingParams(**{"temperature": 0.7, **truncation})
+    states = [state(params) for _ in range(rows)]
+    probs, degenerate = sampling_probs(logits, states)
+    assert not degenerate.any()
+    u = torch.rand(rows, generator=generator)
+    _assert_drawn_from(_native_draw(logits, [params] * rows, u), probs, u)
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -30,6 +30,11 @@ OPS = [
 ]
 
 
+def _draw_args(rows: int) -> tuple[torch.Tensor, ...]:
+    """draw's scale, top_k, top_p, min_p and u for ``rows`` rows that take no truncation."""
+    return torch.ones(rows), torch.zeros(rows, dtype=torch.long), torch.ones(rows), torch.zeros(rows), torch.zeros(rows)
+
+
 @pytest.fixture
 def native(native_kernels):
     """A short name for the tests below."""
@@ -74,14 +79,13 @@ def test_rejects_inputs_it_cannot_read(native):
         with pytest.raises(ValueError, match="float32"):
             native.log_softmax_stats(logits)
         with pytest.raises(ValueError, match="float32"):
-            native.draw(logits, torch.ones(2), torch.zeros(2))
-    for scale, u in (
-        (torch.ones(3), torch.zeros(2)),
-        (torch.ones(2), torch.zeros(2).double()),
-        (torch.ones(2, 1), torch.zeros(2)),
-    ):
-        with pytest.raises(ValueError, match="scale and u"):
-            native.draw(torch.zeros(2, 8), scale, u)
+            native.draw(logits, *_draw_args(2))
+    for bad in range(5):  # each of scale, top_k, top_p, min_p and u of the wrong length, then dtype
+        for change in (lambda t: t[:1], lambda t: t.double() if t.dtype == torch.float32 else t.int()):
+            args = list(_draw_args(2))
+            args[bad] = change(args[bad])
+            with pytest.raises(ValueError, match="top_k int64"):
+                native.draw(torch.zeros(2, 8), *args)
     pairs = torch.zeros(32 * 16, dtype=torch.bfloat16)  # a [32, 16] weight in the pair layout
     with pytest.raises(ValueError, match="agreeing shapes"):
         native.gemm_pairs(torch.zeros(2, 8, dtype=torch.bfloat16), pairs, 32)

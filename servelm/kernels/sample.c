@@ -1,0 +1,278 @@
+/* The sampler's random draw, for CPUs: one token per row of float32 logits
+ * from softmax(x / temperature), after top-k, top-p and min-p, as
+ * servelm/engine/sampler.py's PyTorch stages and row_blocks.inverse_cdf
+ * draw it, without writing a [rows, vocab] distribution (nor sorting a
+ * row: a top-p request's topk() over 32 x 49152 logits alone took 6 ms).
+ *
+ * A row's weights are w = exp((x - largest) / T), its largest token's 1.
+ * top-k keeps the logits at least the k-th largest (ties kept); min-p the
+ * weights at least min_p; top-p the weights at least v, the largest value
+ * whose weights of at least v (among top-k's) sum to top_p times their
+ * total (the smallest set of most likely tokens reaching p, ties with its
+ * least likely kept). The draw: the first index whose running sum of kept
+ * weights exceeds u times their total, found from sums of blocks of
+ * DRAW_BLOCK columns, then a running sum inside the block found; a weight
+ * of 0 (a banned token, -inf) adds nothing, so it is never the one found.
+ * Built at first use by servelm/kernels. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <float.h>
+#include <math.h>
+
+#include "bf16.h"
+#include "kernels.h"
+#include "vexp.h"
+
+#define DRAW_BLOCK 1024
+#define HEAP_ON_STACK 256
+
+/* The largest of x[0..V), NaN if it holds one. */
+static float row_largest(const float *x, int64_t V) {
+    int64_t i = 0;
+    float m = -INFINITY;
+#ifdef __AVX512F__
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
+    __mmask16 nan = 0;
+    for (; i + 16 <= V; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), inf_bits);
+        vm = _mm512_max_ps(vm, v);
+    }
+    if (nan) return NAN;
+    m = _mm512_reduce_max_ps(vm);
+#endif
+    for (; i < V; i++) {
+        if (f32_is_nan(x[i])) return NAN;
+        m = x[i] > m ? x[i] : m;
+    }
+    return m;
+}
+
+/* w[i] = exp((x[i] - m) * scale) for i in [0, n), 0 for an x[i] of -inf, and their sum. */
+static float weights(const float *x, int64_t n, float m, float scale, float *w) {
+    int64_t i = 0;
+    float sum = 0.f;
+#ifdef __AVX512F__
+    __m512 vs = _mm512_setzero_ps();
+    const __m512 vmax = _mm512_set1_ps(m), vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-200.f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vmax), vscale);
+        const __m512 e = exp16(_mm512_max_ps(z, floor)); /* exp16(-inf) is NaN; e^-200 is 0 in float32 */
+        _mm512_storeu_ps(w + i, e);
+        vs = _mm512_add_ps(vs, e);
+    }
+    sum = _mm512_reduce_add_ps(vs);
+#endif
+    for (; i < n; i++) {
+        const float z = (x[i] - m) * scale;
+        w[i] = z > -200.f ? expf(z) : 0.f;
+        sum += w[i];
+    }
+    return sum;
+}
+
+/* What a row keeps: its logits of at least x_floor whose weights are at least w_floor. */
+struct kept {
+    float x_floor, w_floor;
+};
+
+/* The sum of w[0..n) kept (w[i] > 0 where x[i] is -inf only: the floors do the rest). */
+static float kept_sum(const float *x, const float *w, int64_t n, struct kept keep) {
+    int64_t i = 0;
+    float sum = 0.f;
+#ifdef __AVX512F__
+    __m512 vs = _mm512_setzero_ps();
+    const __m512 xf = _mm512_set1_ps(keep.x_floor), wf = _mm512_set1_ps(keep.w_floor);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 wv = _mm512_loadu_ps(w + i);
+        const __mmask16 k = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), xf, _CMP_GE_OQ) &
+                            _mm512_cmp_ps_mask(wv, wf, _CMP_GE_OQ);
+        vs = _mm512_mask_add_ps(vs, k, vs, wv);
+    }
+    sum = _mm512_reduce_add_ps(vs);
+#endif
+    for (; i < n; i++)
+        if (x[i] >= keep.x_floor && w[i] >= keep.w_floor) sum += w[i];
+    return sum;
+}
+
+static void sift_down(float *heap, int64_t n, int64_t at) {
+    for (;;) {
+        int64_t least = at, l = 2 * at + 1, r = l + 1;
+        if (l < n && heap[l] < heap[least]) least = l;
+        if (r < n && heap[r] < heap[least]) least = r;
+        if (least == at) return;
+        const float t = heap[at];
+        heap[at] = heap[least];
+        heap[least] = t;
+        at = least;
+    }
+}
+
+/* The k-th largest of x[0..V), 0 < k < V: a min-heap of the k largest so far, which a value enters only
+ * above the heap's least (compared 16 at a time). */
+static float kth_largest(const float *x, int64_t V, int64_t k) {
+    float on_stack[HEAP_ON_STACK];
+    float *heap = k <= HEAP_ON_STACK ? on_stack : malloc(sizeof(float) * (size_t)k);
+    if (!heap) return -INFINITY; /* out of memory: keep every token rather than fail the batch */
+    memcpy(heap, x, sizeof(float) * (size_t)k);
+    for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
+    int64_t i = k;
+#ifdef __AVX512F__
+    for (; i + 16 <= V; i += 16) {
+        __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(heap[0]), _CMP_GT_OQ);
+        while (above) {
+            const int64_t j = i + __builtin_ctz(above);
+            above &= above - 1;
+            if (x[j] > heap[0]) {
+                heap[0] = x[j];
+                sift_down(heap, k, 0);
+            }
+        }
+    }
+#endif
+    for (; i < V; i++)
+        if (x[i] > heap[0]) {
+            heap[0] = x[i];
+            sift_down(heap, k, 0);
+        }
+    const float kth = heap[0];
+    if (heap != on_stack) free(heap);
+    return kth;
+}
+
+/* The weights w[0..n) of the logits x[0..n) at least x_floor whose weights are at least ``least`` copied to
+ * cand (from its start), and how many. */
+static int64_t gather(const float *x, const float *w, int64_t n, float x_floor, float least, float *cand) {
+    int64_t i = 0, count = 0;
+#ifdef __AVX512F__
+    const __m512 xf = _mm512_set1_ps(x_floor), lf = _mm512_set1_ps(least);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 wv = _mm512_loadu_ps(w + i);
+        const __mmask16 k = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), xf, _CMP_GE_OQ) &
+                            _mm512_cmp_ps_mask(wv, lf, _CMP_GE_OQ);
+        _mm512_mask_compressstoreu_ps(cand + count, k, wv);
+        count += __builtin_popcount(k);
+    }
+#endif
+    for (; i < n; i++)
+        if (x[i] >= x_floor && w[i] >= least) cand[count++] = w[i];
+    return count;
+}
+
+/* top-p's floor: the largest weight v such that the weights of at least v among cand[0..n) (the positive
+ * weights top-k keeps, or those of at least some floor whose sum alone reaches ``mass``) sum to at least
+ * ``mass``. Its bits are found 12, 10, then 10 at a time (a non-negative float's bits order as its value):
+ * at each level the candidates are summed into buckets by their next bits, the highest bucket at which the
+ * mass from the top reaches ``mass`` gives those bits, and only that bucket's candidates stay for the next
+ * level. Where rounding leaves the candidates' total short of ``mass``, the lowest bucket is taken: v is then
+ * at most every candidate. cand is overwritten. */
+static float mass_floor(float *cand, int64_t n, double mass) {
+    static const int widths[3] = {12, 10, 10};
+    double buckets[1 << 12], above = 0.;
+    uint32_t prefix = 0;
+    for (int level = 0, shift = 32; level < 3; level++) {
+        const uint32_t mask = (1u << widths[level]) - 1;
+        shift -= widths[level];
+        memset(buckets, 0, sizeof(double) << widths[level]);
+        for (int64_t i = 0; i < n; i++) buckets[(f32_bits(cand[i]) >> shift) & mask] += cand[i];
+        uint32_t b = mask;
+        for (; b > 0 && above + buckets[b] < mass; b--) above += buckets[b];
+        int64_t left = 0;
+        for (int64_t i = 0; i < n; i++)
+            if (((f32_bits(cand[i]) >> shift) & mask) == b) cand[left++] = cand[i];
+        n = left;
+        prefix = (prefix << widths[level]) | b;
+    }
+    float v;
+    memcpy(&v, &prefix, sizeof v);
+    return v;
+}
+
+/* top-p's floor over the weights w of the logits x[0..V) at least x_floor (top-k's), for ``top_p`` of their
+ * mass; cand is a workspace of V floats. A real model's nucleus is nearly always among the tokens of at least
+ * 2^-8 of the largest's weight, so only they are read again where their mass suffices (else those of at least
+ * 2^-16, else all). */
+static float top_p_floor(const float *x, const float *w, int64_t V, float x_floor, float top_p, float *cand) {
+    const double mass = (double)top_p * kept_sum(x, w, V, (struct kept){x_floor, 0.f});
+    for (int e = 8; e <= 24; e += 8) {
+        const float least = e < 24 ? ldexpf(1.f, -e) : FLT_MIN; /* FLT_MIN: every positive weight */
+        const int64_t n = gather(x, w, V, x_floor, least, cand);
+        double sum = 0.;
+        for (int64_t i = 0; i < n; i++) sum += cand[i];
+        if (sum >= mass || e == 24) {
+            const float v = mass_floor(cand, n, mass);
+            return v > least ? v : least;
+        }
+    }
+    return 0.f; /* not reached */
+}
+
+/* In w[0..n) (the weights of x[0..n)), the first kept index at which the running sum of kept weights exceeds
+ * target, else (rounding left the sum short) the last kept index; -1 where none is kept. */
+static int64_t scan(const float *x, const float *w, int64_t n, struct kept keep, float target) {
+    int64_t last = -1;
+    float run = 0.f;
+    for (int64_t i = 0; i < n; i++)
+        if (w[i] > 0.f && x[i] >= keep.x_floor && w[i] >= keep.w_floor) {
+            run += w[i];
+            last = i;
+            if (run > target) break;
+        }
+    return last;
+}
+
+/* One row's draw: scale = 1 / temperature, top_k <= 0 or >= V for none, top_p >= 1 for none, min_p <= 0 for
+ * none; w is the row's workspace (2 V floats), for a row that truncates. */
+static int64_t draw_row(const float *x, int64_t V, float scale, int64_t top_k, float top_p, float min_p, float u,
+                        float *w) {
+    const float m = row_largest(x, V);
+    if (!f32_is_finite(m)) return -1;
+    const int plain = (top_k <= 0 || top_k >= V) && !(top_p < 1.f) && !(min_p > 0.f);
+    struct kept keep = {-INFINITY, 0.f};
+    if (!plain) {
+        weights(x, V, m, scale, w);
+        if (top_k > 0 && top_k < V) keep.x_floor = kth_largest(x, V, top_k);
+        if (top_p < 1.f) /* over top-k's tokens, before min-p, as the PyTorch stages go */
+            keep.w_floor = top_p_floor(x, w, V, keep.x_floor, top_p, w + V);
+        if (min_p > keep.w_floor) keep.w_floor = min_p; /* the largest weight is 1 */
+    }
+    /* A plain row's weights are made a block at a time (no workspace), twice for the block found. */
+    float block[DRAW_BLOCK];
+    const int64_t nblocks = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    float block_sums[nblocks], total = 0.f;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t start = b * DRAW_BLOCK, n = V - start < DRAW_BLOCK ? V - start : DRAW_BLOCK;
+        block_sums[b] = plain ? weights(x + start, n, m, scale, block) : kept_sum(x + start, w + start, n, keep);
+        total += block_sums[b];
+    }
+    float target = u * total;
+    int64_t b = 0;
+    for (; b < nblocks - 1 && target >= block_sums[b]; b++) target -= block_sums[b];
+    const int64_t start = b * DRAW_BLOCK, n = V - start < DRAW_BLOCK ? V - start : DRAW_BLOCK;
+    if (plain) weights(x + start, n, m, scale, block);
+    const int64_t found = scan(x + start, plain ? block : w + start, n, keep, target);
+    if (found >= 0) return start + found;
+    for (int64_t i = 0; i < V; i++) /* nothing kept in the last block (rounding): the largest, always kept */
+        if (x[i] == m) return i;
+    return -1; /* cannot happen: m is one of x's values */
+}
+
+void draw_f32(const float *x, int64_t rows, int64_t V, int64_t stride, const float *scale, const int64_t *top_k,
+              const float *top_p, const float *min_p, const float *u, int64_t *token, int nthreads) {
+    int truncates = 0;
+    for (int64_t r = 0; r < rows; r++) truncates |= (top_k[r] > 0 && top_k[r] < V) || top_p[r] < 1.f || min_p[r] > 0.f;
+#pragma omp parallel num_threads(nthreads) if (rows * V >= 32768)
+    {
+        float *w = truncates ? malloc(2 * sizeof(float) * (size_t)V) : 0;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const int truncated = (top_k[r] > 0 && top_k[r] < V) || top_p[r] < 1.f || min_p[r] > 0.f;
+            token[r] = truncated && !w ? -1 /* out of memory */
+                                       : draw_row(x + r * stride, V, scale[r], top_k[r], top_p[r], min_p[r], u[r], w);
+        }
+        free(w);
+    }
+}
