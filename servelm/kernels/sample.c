@@ -78,7 +78,7 @@ struct kept {
     float x_floor, w_floor;
 };
 
-/* The sum of w[0..n) kept (w[i] > 0 where x[i] is -inf only: the floors do the rest). */
+/* The sum of the kept weights of w[0..n) (a banned token, x of -inf, weighs 0 and adds nothing). */
 static float kept_sum(const float *x, const float *w, int64_t n, struct kept keep) {
     int64_t i = 0;
     float sum = 0.f;
