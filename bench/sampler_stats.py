@@ -14,7 +14,11 @@ from bucket sums of the weights' bits, against PyTorch's division, softmax,
 vocabulary sizes (SmolLM2's 49152, Qwen2.5's 151936) for 1 and 32 rows: the
 two passes, then the whole ``Sampler`` call, greedy, at temperature 0.8, and
 at 0.8 with top_p 0.95, with the kernels and with the PyTorch fallback (the kernels turned off).
-Medians of --repeats calls, alternating; glibc's freed memory kept, as the
+Then the repetition, frequency and presence penalties of 32 rows (300 prompt
+and 100 output tokens each) applied as ``apply_penalties_`` applies them,
+to the tokens seen only, against the dense formulas over the whole
+vocabulary (counts scattered into ``[rows, vocab]``, as the sampler did
+before). Medians of --repeats calls, alternating; glibc's freed memory kept, as the
 engine keeps it (``platform.memory.keep_freed_memory``: without it each
 ``[rows, vocab]`` PyTorch result faults in fresh pages, several times the
 PyTorch path's time).
@@ -33,7 +37,7 @@ from gemm import _median_ms
 
 from servelm import kernels
 from servelm.engine.row_blocks import row_max
-from servelm.engine.sampler import Sampler, SamplingState
+from servelm.engine.sampler import Sampler, SamplingState, apply_penalties_
 from servelm.engine.sampling_params import SamplingParams
 from servelm.platform.memory import keep_freed_memory
 
@@ -49,6 +53,28 @@ def sampler_call(logits: torch.Tensor, states: list[SamplingState], native: bool
         return
     with mock.patch.object(kernels, "for_tensors", lambda *tensors: None):
         Sampler()(logits, states)
+
+
+def dense_penalties(logits: torch.Tensor, prompt: list[list[int]], output: list[list[int]]) -> torch.Tensor:
+    """Repetition 1.1, frequency 0.5 and presence 0.2 through counts over the whole vocabulary."""
+    rows, vocab = logits.shape
+
+    def counts(lists: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in lists)
+        padded = torch.tensor([t + [vocab] * (width - len(t)) for t in lists])
+        return torch.zeros(rows, vocab + 1).scatter_add_(1, padded, torch.ones(padded.shape))[:, :vocab]
+
+    out = counts(output)
+    seen = (counts(prompt) + out) > 0
+    x = torch.where(seen, torch.where(logits > 0, logits / 1.1, logits * 1.1), logits)
+    return x - 0.5 * out - 0.2 * (out > 0)
+
+
+def sparse_penalties(logits: torch.Tensor, prompt: list[list[int]], output: list[list[int]]) -> torch.Tensor:
+    x = logits.clone()  # as apply_logits_processors does
+    n = len(prompt)
+    apply_penalties_(x, list(range(n)), prompt, output, [1.1] * n, [0.5] * n, [0.2] * n)
+    return x
 
 
 def main() -> None:
@@ -100,6 +126,21 @@ def main() -> None:
                 f"{sampled_old:14.2f}{sampled_new:8.2f}{sampled_old / sampled_new:7.2f}x"
                 f"{top_p_old:14.2f}{top_p_new:8.2f}{top_p_old / top_p_new:7.2f}x"
             )
+    print(f"\n{'vocab':>7s}{'rows':>6s}{'penalties, dense':>18s}{'seen only':>11s}{'ratio':>8s}")
+    for vocab in (49152, 151936):
+        logits = torch.randn(32, vocab, generator=gen) * 4
+        prompt = [torch.randint(0, vocab, (300,), generator=gen).tolist() for _ in range(32)]
+        output = [torch.randint(0, vocab, (100,), generator=gen).tolist() for _ in range(32)]
+        assert torch.equal(dense_penalties(logits, prompt, output), sparse_penalties(logits, prompt, output))
+        pairs = [
+            (
+                _median_ms(partial(dense_penalties, logits, prompt, output), args.repeats),
+                _median_ms(partial(sparse_penalties, logits, prompt, output), args.repeats),
+            )
+            for _ in range(3)
+        ]
+        dense, sparse = (sorted(col)[1] for col in zip(*pairs))
+        print(f"{vocab:7d}{32:6d}{dense:18.2f}{sparse:11.2f}{dense / sparse:7.2f}x")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ grammar allows, never to one it forbids.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -168,10 +169,10 @@ def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -
     for i in ban_rows:
         x[i, states[i].min_tokens_ban(vocab, dev)] = float("-inf")
     if penalty_rows:
-        rows = torch.tensor(penalty_rows, device=dev)
         sub = [states[i] for i in penalty_rows]
-        x[rows] = apply_penalties(
-            x[rows],
+        apply_penalties_(
+            x,
+            penalty_rows,
             [s.prompt_token_ids for s in sub],
             [s.params.prior_output_token_ids + s.output_token_ids for s in sub],
             [s.params.repetition_penalty for s in sub],
@@ -181,44 +182,47 @@ def apply_logits_processors(logits: torch.Tensor, states: list[SamplingState]) -
     return x
 
 
-def token_counts(token_ids: list[list[int]], vocab: int, device: torch.device | str) -> torch.Tensor:
-    """``[len(token_ids), vocab]`` float tensor: how often each token occurs in each row's list."""
-    width = max((len(t) for t in token_ids), default=0)
-    counts = torch.zeros(len(token_ids), vocab + 1, device=device)
-    if width:
-        # Padding points at an extra column, dropped below, so rows of any length scatter at once.
-        padded = torch.tensor([t + [vocab] * (width - len(t)) for t in token_ids], device=device)
-        counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
-
-
-def apply_penalties(
+def apply_penalties_(
     logits: torch.Tensor,
+    rows: list[int],
     prompt_token_ids: list[list[int]],
     output_token_ids: list[list[int]],
     repetition_penalty: list[float],
     frequency_penalty: list[float],
     presence_penalty: list[float],
-) -> torch.Tensor:
-    """Penalise tokens already seen; returns a new ``[rows, vocab]`` tensor.
+) -> None:
+    """Penalise, in place, the tokens row ``rows[i]`` of ``logits`` has already seen (the ``i``-th of each list).
 
     Repetition penalty (CTRL, as in vLLM/HF) covers prompt and output tokens:
     a positive logit is divided by it, a negative one multiplied. Frequency
     and presence penalties (OpenAI) cover output tokens only:
-    ``logit -= frequency * count + presence * (count > 0)``.
+    ``logit -= frequency * count + presence * (count > 0)``. Only the tokens
+    seen are read and written, each once: a few hundred a row, where a pass
+    over every row's whole vocabulary cost milliseconds a step.
     """
-    vocab, dev = logits.shape[1], logits.device
-    out_counts = token_counts(output_token_ids, vocab, dev)
+    dev = logits.device
+    owner = torch.tensor(rows, device=dev)
     if any(r != 1.0 for r in repetition_penalty):
-        seen = (token_counts(prompt_token_ids, vocab, dev) + out_counts) > 0
-        rep = torch.tensor(repetition_penalty, device=dev)[:, None]
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalised, logits)
+        at, ids, _ = _distinct([p + o for p, o in zip(prompt_token_ids, output_token_ids)], logits.shape[1], dev)
+        rep, row = torch.tensor(repetition_penalty, device=dev)[at], owner[at]
+        seen = logits[row, ids]
+        logits[row, ids] = torch.where(seen > 0, seen / rep, seen * rep)
     if any(f != 0.0 for f in frequency_penalty) or any(p != 0.0 for p in presence_penalty):
-        freq = torch.tensor(frequency_penalty, device=dev)[:, None]
-        pres = torch.tensor(presence_penalty, device=dev)[:, None]
-        logits = logits - freq * out_counts - pres * (out_counts > 0)
-    return logits
+        at, ids, counts = _distinct(output_token_ids, logits.shape[1], dev)
+        freq, pres = (torch.tensor(v, device=dev)[at] for v in (frequency_penalty, presence_penalty))
+        row = owner[at]
+        logits[row, ids] = logits[row, ids] - freq * counts.to(logits.dtype) - pres
+
+
+def _distinct(token_ids: list[list[int]], vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Each list's distinct token ids below ``vocab`` (a draft model's may be smaller) as three tensors: the
+    list's index, the id, and how often the list holds it."""
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.long, device=device)
+    owner = torch.repeat_interleave(
+        torch.arange(len(token_ids), device=device), torch.tensor([len(t) for t in token_ids], device=device)
+    )
+    keys, counts = torch.unique((owner * vocab + flat)[flat < vocab], return_counts=True)
+    return keys // vocab, keys % vocab, counts
 
 
 def _choose(

@@ -13,13 +13,12 @@ from servelm.engine.sampler import (
     SamplingState,
     apply_logits_processors,
     apply_min_p,
-    apply_penalties,
+    apply_penalties_,
     apply_top_k,
     apply_top_p,
     make_generator,
     random_choice,
     sampling_probs,
-    token_counts,
 )
 from servelm.engine.sampling_params import SamplingParams
 
@@ -247,30 +246,55 @@ def test_allowed_token_mask_is_respected():
     assert set(out.token_ids) == {0, 2}
 
 
-def test_token_counts():
-    counts = token_counts([[1, 1, 3], [], [0]], vocab=4, device="cpu")
-    assert counts.tolist() == [[0, 2, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]]
-
-
 def test_penalties_follow_the_formulas_exactly():
-    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 4.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 4.0], [9.0] * 5, [1.0, 1.0, 1.0, 1.0, 1.0]])
     prompt = [[3], [0]]
-    output = [[0, 0, 2], [1, 1, 1, 4]]
+    output = [[0, 0, 2], [1, 1, 1, 4, 7]]  # 7: beyond this vocabulary (a draft model's), ignored
     rep, freq, pres = [2.0, 1.0], [0.5, -0.25], [1.0, 0.75]
-    got = apply_penalties(logits, prompt, output, rep, freq, pres)
+    got = logits.clone()
+    apply_penalties_(got, [0, 2], prompt, output, rep, freq, pres)
 
     expected = logits.tolist()
-    for r in range(2):
+    for r, row in enumerate([0, 2]):
         seen = set(prompt[r]) | set(output[r])
         for t in range(5):
-            x = expected[r][t]
+            x = expected[row][t]
             if t in seen:
                 x = x / rep[r] if x > 0 else x * rep[r]
             count = output[r].count(t)
-            expected[r][t] = x - freq[r] * count - pres[r] * (count > 0)
+            expected[row][t] = x - freq[r] * count - pres[r] * (count > 0)
     # Row 0: token 0 seen twice in output: 2/2 - 0.5*2 - 1 = -1; token 3 in prompt only: -3*2 = -6.
     assert expected[0] == [-1.0, -1.0, 0.25 - 0.5 - 1.0, -6.0, 4.0]
-    assert torch.allclose(got, torch.tensor(expected))
+    assert expected[1] == [9.0] * 5  # a row not named is left alone
+    assert torch.equal(got, torch.tensor(expected))
+
+
+def test_penalties_over_a_real_vocabulary_match_the_dense_formulas():
+    # Long prompts and outputs with repeats, every penalty at once, against counts over the whole vocabulary.
+    vocab, rows = 49152, 8
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=generator) * 4
+    prompt = [torch.randint(0, vocab, (300,), generator=generator).tolist() for _ in range(rows)]
+    output = [torch.randint(0, 50, (n,), generator=generator).tolist() for n in range(0, 8 * rows, 8)]
+    rep = [1.0 + 0.05 * r for r in range(rows)]
+    freq = [0.1 * (r % 3) for r in range(rows)]
+    pres = [0.2 * (r % 2) - 0.1 for r in range(rows)]
+    got = logits.clone()
+    apply_penalties_(got, list(range(rows)), prompt, output, rep, freq, pres)
+
+    def counts(lists):
+        c = torch.zeros(rows, vocab)
+        for r, ids in enumerate(lists):
+            for t in ids:
+                c[r, t] += 1
+        return c
+
+    out_counts = counts(output)
+    seen = (counts(prompt) + out_counts) > 0
+    r = torch.tensor(rep)[:, None]
+    expected = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    expected = expected - torch.tensor(freq)[:, None] * out_counts - torch.tensor(pres)[:, None] * (out_counts > 0)
+    assert torch.equal(got, expected)
 
 
 def test_penalties_change_the_greedy_choice():
