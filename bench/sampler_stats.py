@@ -36,8 +36,9 @@ import torch
 from gemm import _median_ms
 
 from servelm import kernels
+from servelm.engine.logits_processors import apply_penalties_
 from servelm.engine.row_blocks import row_max
-from servelm.engine.sampler import Sampler, SamplingState, apply_penalties_
+from servelm.engine.sampler import Sampler, SamplingState
 from servelm.engine.sampling_params import SamplingParams
 from servelm.platform.memory import keep_freed_memory
 

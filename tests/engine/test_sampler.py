@@ -7,13 +7,12 @@ import math
 import pytest
 import torch
 
+from servelm.engine.logits_processors import apply_logits_processors, apply_penalties_
 from servelm.engine.row_blocks import BLOCK, mass_threshold
 from servelm.engine.sampler import (
     Sampler,
     SamplingState,
-    apply_logits_processors,
     apply_min_p,
-    apply_penalties_,
     apply_top_k,
     apply_top_p,
     make_generator,

@@ -17,7 +17,8 @@ import torch
 
 from servelm.engine.flat_batch import Chunk, flatten
 from servelm.engine.kv_cache import allocate_kv_caches, kv_block_bytes
-from servelm.engine.sampler import SamplingState, apply_logits_processors, greedy_tokens, is_greedy, random_choice
+from servelm.engine.logits_processors import apply_logits_processors
+from servelm.engine.sampler import SamplingState, greedy_tokens, is_greedy, random_choice
 from servelm.engine.scheduler import ScheduledSeq
 from servelm.engine.spec_decode.rejection_sampler import sampling_distribution
 from servelm.engine.spec_decode.verifier import state_after

@@ -15,8 +15,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from servelm.engine.logits_processors import apply_logits_processors
 from servelm.engine.sample_isolation import SampledRow
-from servelm.engine.sampler import SamplingState, apply_logits_processors, greedy_tokens, is_greedy, top_logprobs
+from servelm.engine.sampler import SamplingState, greedy_tokens, is_greedy, top_logprobs
 from servelm.engine.spec_decode.rejection_sampler import greedy_accept, rejection_sample, sampling_distribution
 
 logger = logging.getLogger(__name__)
