@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -26,7 +28,9 @@ def test_tiny_run_prints_each_shape_with_its_ratio(capsys: pytest.CaptureFixture
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
     assert set(rows) == {"8x64x48", "1x64x48"}
     assert rows["8x64x48"][3] == "-" and rows["1x64x48"][3] != "-"  # one row: the int8 GEMV's rate too
-    assert all(row[-1].endswith("x") and float(row[-1][:-1]) > 0 for row in rows.values())
+    # A ratio is printed for each shape; its size is the machine's (a call preempted on a busy machine can
+    # round it to 0.00x), which tests do not assert.
+    assert all(re.fullmatch(r"\d+\.\d\dx", row[-1]) for row in rows.values())
 
 
 def test_copies_pass_over_that_many_weights_and_say_so(capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,4 +39,4 @@ def test_copies_pass_over_that_many_weights_and_say_so(capsys: pytest.CaptureFix
     out = capsys.readouterr().out.splitlines()
     assert "over 3 copies of each weight" in out[0]
     row = out[2].split()
-    assert row[0] == "8x64x48" and row[-1].endswith("x") and float(row[-1][:-1]) > 0
+    assert row[0] == "8x64x48" and re.fullmatch(r"\d+\.\d\dx", row[-1])
