@@ -18,7 +18,8 @@ Then the repetition, frequency and presence penalties of 32 rows (300 prompt
 and 100 output tokens each) applied as ``apply_penalties_`` applies them,
 to the tokens seen only, against the dense formulas over the whole
 vocabulary (counts scattered into ``[rows, vocab]``, as the sampler did
-before). Medians of --repeats calls, alternating; glibc's freed memory kept, as the
+before). Last, a request's top logprobs (k = 5 and 20 of 32 rows): the native
+``top_values`` against ``x[rows].topk(k)``. Medians of --repeats calls, alternating; glibc's freed memory kept, as the
 engine keeps it (``platform.memory.keep_freed_memory``: without it each
 ``[rows, vocab]`` PyTorch result faults in fresh pages, several times the
 PyTorch path's time).
@@ -76,6 +77,10 @@ def sparse_penalties(logits: torch.Tensor, prompt: list[list[int]], output: list
     n = len(prompt)
     apply_penalties_(x, list(range(n)), prompt, output, [1.1] * n, [0.5] * n, [0.2] * n)
     return x
+
+
+def torch_top_values(logits: torch.Tensor, rows: torch.Tensor, k: int) -> None:
+    logits[rows].topk(k, dim=-1)
 
 
 def main() -> None:
@@ -142,6 +147,21 @@ def main() -> None:
         ]
         dense, sparse = (sorted(col)[1] for col in zip(*pairs))
         print(f"{vocab:7d}{32:6d}{dense:18.2f}{sparse:11.2f}{dense / sparse:7.2f}x")
+    print(f"\n{'vocab':>7s}{'rows':>6s}{'k':>4s}{'topk':>8s}{'top_values':>12s}{'ratio':>8s}")
+    for vocab in (49152, 151936):
+        logits = torch.randn(32, vocab, generator=gen) * 4
+        rows = torch.arange(32)
+        for k in (5, 20):
+            assert torch.equal(native.top_values(logits, rows, k)[0], logits[rows].topk(k).values)
+            pairs = [
+                (
+                    _median_ms(partial(torch_top_values, logits, rows, k), args.repeats),
+                    _median_ms(partial(native.top_values, logits, rows, k), args.repeats),
+                )
+                for _ in range(3)
+            ]
+            old, new = (sorted(col)[1] for col in zip(*pairs))
+            print(f"{vocab:7d}{32:6d}{k:4d}{old:8.2f}{new:12.2f}{old / new:7.2f}x")
 
 
 if __name__ == "__main__":

@@ -342,7 +342,11 @@ def top_logprobs(
     vocab = raw_logprobs.shape[1]
     max_k = min(max(wanted.values()), vocab)
     rows = torch.tensor(asking, device=raw_logprobs.device)
-    values, ids = raw_logprobs[rows].topk(max_k, dim=-1)
+    native = kernels.for_tensors(raw_logprobs)
+    if native is not None and raw_logprobs.dtype == torch.float32 and raw_logprobs.stride(1) == 1:
+        values, ids = native.top_values(raw_logprobs, rows, max_k)
+    else:
+        values, ids = raw_logprobs[rows].topk(max_k, dim=-1)
     if stats is not None:
         largest, logsum = stats
         values = values - largest[rows, None] - logsum[rows, None]

@@ -94,6 +94,12 @@ void write_kv(char *k_cache, char *v_cache, const char *key, const char *value, 
 void draw_f32(const float *x, int64_t rows, int64_t V, int64_t stride, const float *scale, const int64_t *top_k,
               const float *top_p, const float *min_p, const float *u, int64_t *token, int nthreads);
 
+/* sample.c: the k largest values of each row rows[r] of x [.., V] (row i at x + i * stride), k <= V, with their
+ * indices, largest first (of equal values the lower index first), into values and ids [n, k]: a min-heap of the
+ * k largest so far, which a value enters only above its least. */
+void top_values_f32(const float *x, int64_t V, int64_t stride, const int64_t *rows, int64_t n, int64_t k,
+                    float *values, int64_t *ids, int nthreads);
+
 /* gemv.c */
 void bf16_gemv(const uint16_t *x, int64_t K, const uint16_t *w, const uint16_t *bias, int64_t N, uint16_t *out,
                int nthreads);

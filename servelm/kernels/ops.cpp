@@ -120,6 +120,22 @@ at::Tensor draw(const at::Tensor &x, const at::Tensor &scale, const at::Tensor &
     return token;
 }
 
+std::tuple<at::Tensor, at::Tensor> top_values(const at::Tensor &x, const at::Tensor &rows, int64_t k) {
+    const char *op = "top_values";
+    check_cpu(op, {&x, &rows});
+    CHECK_ARG(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, op,
+              ": x must be float32 [rows, vocab > 0] with contiguous rows");
+    CHECK_ARG(k >= 0 && k <= x.size(1), op, ": k must be in [0, vocab]");
+    CHECK_ARG(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), op,
+              ": rows must be contiguous int64 [n]");
+    const int64_t n = rows.size(0), *at_rows = rows.data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; r++) CHECK_ARG(at_rows[r] >= 0 && at_rows[r] < x.size(0), op, ": rows out of range");
+    at::Tensor values = at::empty({n, k}, x.options()), ids = at::empty({n, k}, x.options().dtype(at::kLong));
+    top_values_f32(x.data_ptr<float>(), x.size(1), x.stride(0), at_rows, n, k, values.data_ptr<float>(),
+                   ids.data_ptr<int64_t>(), at::get_num_threads());
+    return {values, ids};
+}
+
 at::Tensor int8_linear(const at::Tensor &x_arg, const at::Tensor &qweight, const at::Tensor &scales_arg) {
     const char *op = "int8_linear";
     check_cpu(op, {&x_arg, &qweight, &scales_arg});
@@ -265,6 +281,7 @@ TORCH_LIBRARY_FRAGMENT(servelm, m) {
     m.def("silu_mul(Tensor gate_up) -> Tensor");
     m.def("log_softmax_stats(Tensor x) -> (Tensor, Tensor, Tensor)");
     m.def("draw(Tensor x, Tensor scale, Tensor top_k, Tensor top_p, Tensor min_p, Tensor u) -> Tensor");
+    m.def("top_values(Tensor x, Tensor rows, int k) -> (Tensor, Tensor)");
     m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
     m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
     m.def("pack_pairs(Tensor weight) -> Tensor?");
@@ -282,6 +299,7 @@ TORCH_LIBRARY_IMPL(servelm, CPU, m) {
     m.impl("silu_mul", &servelm::silu_mul);
     m.impl("log_softmax_stats", &servelm::log_softmax_stats);
     m.impl("draw", &servelm::draw);
+    m.impl("top_values", &servelm::top_values);
     m.impl("int8_linear", &servelm::int8_linear);
     m.impl("gemv", &servelm::gemv);
     m.impl("pack_pairs", &servelm::pack_pairs);

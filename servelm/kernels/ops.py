@@ -81,6 +81,7 @@ class CpuKernels:
         self._silu_mul = ops.silu_mul.default
         self._log_softmax_stats = ops.log_softmax_stats.default
         self._draw = ops.draw.default
+        self._top_values = ops.top_values.default
         self._int8_linear = ops.int8_linear.default
         self._gemv = ops.gemv.default
         self._pack_pairs = ops.pack_pairs.default
@@ -207,6 +208,12 @@ class CpuKernels:
         >= vocab, ``top_p`` >= 1 and ``min_p`` <= 0 leave a row whole; the others are float32, all ``[rows]``.
         int64 ``[rows]``; -1 where the row has no distribution (a NaN or +inf in it, or nothing above -inf)."""
         return self._draw(x, scale, top_k, top_p, min_p, u)
+
+    def top_values(self, x: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` largest values of the rows ``rows`` (int64 ``[n]``) of float32 ``x`` ``[.., vocab]`` (rows
+        contiguous) and their indices, ``[n, k]`` each, largest first, as ``x[rows].topk(k)`` gives them (of equal
+        values the lower index first), without copying the rows out."""
+        return self._top_values(x, rows, k)
 
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """``x W^T`` for one bfloat16 row ``x`` ``[1, K]``, ``W`` = int8 ``qweight`` ``[N, K]`` times bfloat16

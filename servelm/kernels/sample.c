@@ -276,3 +276,67 @@ void draw_f32(const float *x, int64_t rows, int64_t V, int64_t stride, const flo
         free(w);
     }
 }
+
+/* A (value, index) pair of top_values's heaps, ordered by value, then by the lower index. */
+struct ranked {
+    float value;
+    int64_t at;
+};
+
+static int ranks_below(struct ranked a, struct ranked b) { return a.value < b.value || (a.value == b.value && a.at > b.at); }
+
+static void sift_down_ranked(struct ranked *heap, int64_t n, int64_t at) {
+    for (;;) {
+        int64_t least = at, l = 2 * at + 1, r = l + 1;
+        if (l < n && ranks_below(heap[l], heap[least])) least = l;
+        if (r < n && ranks_below(heap[r], heap[least])) least = r;
+        if (least == at) return;
+        const struct ranked t = heap[at];
+        heap[at] = heap[least];
+        heap[least] = t;
+        at = least;
+    }
+}
+
+void top_values_f32(const float *x, int64_t V, int64_t stride, const int64_t *rows, int64_t n, int64_t k,
+                    float *values, int64_t *ids, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * V >= 32768)
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = x + rows[r] * stride;
+        struct ranked on_stack[HEAP_ON_STACK];
+        struct ranked *heap = k <= HEAP_ON_STACK ? on_stack : malloc(sizeof(struct ranked) * (size_t)k);
+        if (!heap) { /* out of memory: the first k, unranked, rather than fail the batch */
+            for (int64_t j = 0; j < k; j++) values[r * k + j] = row[j], ids[r * k + j] = j;
+            continue;
+        }
+        for (int64_t j = 0; j < k; j++) heap[j] = (struct ranked){row[j], j};
+        for (int64_t j = k / 2 - 1; j >= 0; j--) sift_down_ranked(heap, k, j);
+        /* A later index ranks below an equal value already held: only a larger value enters. */
+        int64_t i = k;
+#ifdef __AVX512F__
+        for (; k > 0 && i + 16 <= V; i += 16) {
+            __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), _mm512_set1_ps(heap[0].value), _CMP_GT_OQ);
+            while (above) {
+                const int64_t j = i + __builtin_ctz(above);
+                above &= above - 1;
+                if (row[j] > heap[0].value) {
+                    heap[0] = (struct ranked){row[j], j};
+                    sift_down_ranked(heap, k, 0);
+                }
+            }
+        }
+#endif
+        for (; k > 0 && i < V; i++)
+            if (row[i] > heap[0].value) {
+                heap[0] = (struct ranked){row[i], i};
+                sift_down_ranked(heap, k, 0);
+            }
+        for (int64_t left = k; left > 0; left--) { /* the least out first, to the end */
+            values[r * k + left - 1] = heap[0].value;
+            ids[r * k + left - 1] = heap[0].at;
+            heap[0] = heap[left - 1];
+            sift_down_ranked(heap, left - 1, 0);
+        }
+        if (heap != on_stack) free(heap);
+    }
+}

@@ -516,6 +516,25 @@ def test_the_native_draw_keeps_the_tokens_the_pytorch_stages_keep(truncation):
     _assert_drawn_from(_native_draw(logits, [params] * rows, u), probs, u)
 
 
+def test_the_native_top_values_are_the_rows_largest_in_order():
+    # Against a stable reference (value descending, then index): ties within and across the heap's
+    # cut, -inf, the heap beyond its stack size, k of 0 and of the whole row, a subset of the rows.
+    from servelm import kernels
+
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randint(-40, 40, (6, 3 * BLOCK + 5), generator=generator).float() / 4  # many ties
+    x[2, 100:] = float("-inf")
+    native = kernels.for_tensors(x)
+    assert native is not None
+    for k in (0, 1, 5, 20, 300, x.shape[1]):
+        rows = torch.tensor([5, 0, 2, 2])
+        values, ids = native.top_values(x, rows, k)
+        for r, row in enumerate(rows.tolist()):
+            order = sorted(range(x.shape[1]), key=lambda i: (-x[row, i].item(), i))[:k]
+            assert ids[r].tolist() == order, (k, row)
+            assert torch.equal(values[r], x[row, order])
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_a_row_with_no_distribution_falls_back_to_greedy_beside_drawn_rows(native, monkeypatch):
     from servelm import kernels

@@ -22,6 +22,7 @@ OPS = [
     "silu_mul",
     "log_softmax_stats",
     "draw",
+    "top_values",
     "int8_linear",
     "gemv",
     "pack_pairs",
@@ -86,6 +87,11 @@ def test_rejects_inputs_it_cannot_read(native):
             args[bad] = change(args[bad])
             with pytest.raises(ValueError, match="top_k int64"):
                 native.draw(torch.zeros(2, 8), *args)
+    with pytest.raises(ValueError, match="k must be"):
+        native.top_values(torch.zeros(2, 8), torch.tensor([0]), 9)
+    for rows in (torch.tensor([2]), torch.tensor([-1]), torch.tensor([0]).int()):
+        with pytest.raises(ValueError, match="rows"):
+            native.top_values(torch.zeros(2, 8), rows, 3)
     pairs = torch.zeros(32 * 16, dtype=torch.bfloat16)  # a [32, 16] weight in the pair layout
     with pytest.raises(ValueError, match="agreeing shapes"):
         native.gemm_pairs(torch.zeros(2, 8, dtype=torch.bfloat16), pairs, 32)
