@@ -13,6 +13,7 @@
  * weights exceeds u times their total, found from sums of blocks of
  * DRAW_BLOCK columns, then a running sum inside the block found; a weight
  * of 0 (a banned token, -inf) adds nothing, so it is never the one found.
+ * And a request's top logprobs: each row's k largest logits (top_values).
  * Built at first use by servelm/kernels. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -98,47 +99,62 @@ static float kept_sum(const float *x, const float *w, int64_t n, struct kept kee
     return sum;
 }
 
-static void sift_down(float *heap, int64_t n, int64_t at) {
+/* A (value, index) pair of the heaps of the k largest (top-k's floor, top_values), ranked by value, then
+ * by the lower index. */
+struct ranked {
+    float value;
+    int64_t at;
+};
+
+static int ranks_below(struct ranked a, struct ranked b) { return a.value < b.value || (a.value == b.value && a.at > b.at); }
+
+static void sift_down(struct ranked *heap, int64_t n, int64_t at) {
     for (;;) {
         int64_t least = at, l = 2 * at + 1, r = l + 1;
-        if (l < n && heap[l] < heap[least]) least = l;
-        if (r < n && heap[r] < heap[least]) least = r;
+        if (l < n && ranks_below(heap[l], heap[least])) least = l;
+        if (r < n && ranks_below(heap[r], heap[least])) least = r;
         if (least == at) return;
-        const float t = heap[at];
+        const struct ranked t = heap[at];
         heap[at] = heap[least];
         heap[least] = t;
         at = least;
     }
 }
 
-/* The k-th largest of x[0..V), 0 < k < V: a min-heap of the k largest so far, which a value enters only
- * above the heap's least (compared 16 at a time). */
-static float kth_largest(const float *x, int64_t V, int64_t k) {
-    float on_stack[HEAP_ON_STACK];
-    float *heap = k <= HEAP_ON_STACK ? on_stack : malloc(sizeof(float) * (size_t)k);
-    if (!heap) return -INFINITY; /* out of memory: keep every token rather than fail the batch */
-    memcpy(heap, x, sizeof(float) * (size_t)k);
-    for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
+/* heap[0..k) (0 < k <= V) = the k largest of x[0..V) as a min-heap by rank: the first k heaped, then every
+ * later value above the heap's least in its place (16 compared at a time). A later index ranks below an
+ * equal value already held, so only a larger value enters. */
+static void heap_of_largest(const float *x, int64_t V, int64_t k, struct ranked *heap) {
+    for (int64_t j = 0; j < k; j++) heap[j] = (struct ranked){x[j], j};
+    for (int64_t j = k / 2 - 1; j >= 0; j--) sift_down(heap, k, j);
     int64_t i = k;
 #ifdef __AVX512F__
     for (; i + 16 <= V; i += 16) {
-        __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(heap[0]), _CMP_GT_OQ);
+        __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(heap[0].value), _CMP_GT_OQ);
         while (above) {
             const int64_t j = i + __builtin_ctz(above);
             above &= above - 1;
-            if (x[j] > heap[0]) {
-                heap[0] = x[j];
+            if (x[j] > heap[0].value) {
+                heap[0] = (struct ranked){x[j], j};
                 sift_down(heap, k, 0);
             }
         }
     }
 #endif
     for (; i < V; i++)
-        if (x[i] > heap[0]) {
-            heap[0] = x[i];
+        if (x[i] > heap[0].value) {
+            heap[0] = (struct ranked){x[i], i};
             sift_down(heap, k, 0);
         }
-    const float kth = heap[0];
+}
+
+/* The k-th largest of x[0..V), 0 < k < V. */
+static float kth_largest(const float *x, int64_t V, int64_t k) {
+    struct ranked on_stack[HEAP_ON_STACK];
+    struct ranked *heap = k <= HEAP_ON_STACK ? on_stack : malloc(sizeof(struct ranked) * (size_t)k);
+    if (!heap) return -INFINITY; /* out of memory: keep every token rather than fail the batch */
+    heap_of_largest(x, V, k, heap);
+    const float kth = heap[0].value;
     if (heap != on_stack) free(heap);
     return kth;
 }
@@ -277,27 +293,6 @@ void draw_f32(const float *x, int64_t rows, int64_t V, int64_t stride, const flo
     }
 }
 
-/* A (value, index) pair of top_values's heaps, ordered by value, then by the lower index. */
-struct ranked {
-    float value;
-    int64_t at;
-};
-
-static int ranks_below(struct ranked a, struct ranked b) { return a.value < b.value || (a.value == b.value && a.at > b.at); }
-
-static void sift_down_ranked(struct ranked *heap, int64_t n, int64_t at) {
-    for (;;) {
-        int64_t least = at, l = 2 * at + 1, r = l + 1;
-        if (l < n && ranks_below(heap[l], heap[least])) least = l;
-        if (r < n && ranks_below(heap[r], heap[least])) least = r;
-        if (least == at) return;
-        const struct ranked t = heap[at];
-        heap[at] = heap[least];
-        heap[least] = t;
-        at = least;
-    }
-}
-
 void top_values_f32(const float *x, int64_t V, int64_t stride, const int64_t *rows, int64_t n, int64_t k,
                     float *values, int64_t *ids, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (n * V >= 32768)
@@ -309,33 +304,12 @@ void top_values_f32(const float *x, int64_t V, int64_t stride, const int64_t *ro
             for (int64_t j = 0; j < k; j++) values[r * k + j] = row[j], ids[r * k + j] = j;
             continue;
         }
-        for (int64_t j = 0; j < k; j++) heap[j] = (struct ranked){row[j], j};
-        for (int64_t j = k / 2 - 1; j >= 0; j--) sift_down_ranked(heap, k, j);
-        /* A later index ranks below an equal value already held: only a larger value enters. */
-        int64_t i = k;
-#ifdef __AVX512F__
-        for (; k > 0 && i + 16 <= V; i += 16) {
-            __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), _mm512_set1_ps(heap[0].value), _CMP_GT_OQ);
-            while (above) {
-                const int64_t j = i + __builtin_ctz(above);
-                above &= above - 1;
-                if (row[j] > heap[0].value) {
-                    heap[0] = (struct ranked){row[j], j};
-                    sift_down_ranked(heap, k, 0);
-                }
-            }
-        }
-#endif
-        for (; k > 0 && i < V; i++)
-            if (row[i] > heap[0].value) {
-                heap[0] = (struct ranked){row[i], i};
-                sift_down_ranked(heap, k, 0);
-            }
+        if (k > 0) heap_of_largest(row, V, k, heap);
         for (int64_t left = k; left > 0; left--) { /* the least out first, to the end */
             values[r * k + left - 1] = heap[0].value;
             ids[r * k + left - 1] = heap[0].at;
             heap[0] = heap[left - 1];
-            sift_down_ranked(heap, left - 1, 0);
+            sift_down(heap, left - 1, 0);
         }
         if (heap != on_stack) free(heap);
     }
