@@ -240,13 +240,18 @@ static int64_t scan(const float *x, const float *w, int64_t n, struct kept keep,
     return last;
 }
 
+/* Whether a row's top_k (<= 0 or >= V: none), top_p (>= 1: none) or min_p (<= 0: none) drops any token. */
+static int truncates(int64_t top_k, float top_p, float min_p, int64_t V) {
+    return (top_k > 0 && top_k < V) || top_p < 1.f || min_p > 0.f;
+}
+
 /* One row's draw: scale = 1 / temperature, top_k <= 0 or >= V for none, top_p >= 1 for none, min_p <= 0 for
  * none; w is the row's workspace (2 V floats), for a row that truncates. */
 static int64_t draw_row(const float *x, int64_t V, float scale, int64_t top_k, float top_p, float min_p, float u,
                         float *w) {
     const float m = row_largest(x, V);
     if (!f32_is_finite(m)) return -1;
-    const int plain = (top_k <= 0 || top_k >= V) && !(top_p < 1.f) && !(min_p > 0.f);
+    const int plain = !truncates(top_k, top_p, min_p, V);
     struct kept keep = {-INFINITY, 0.f};
     if (!plain) {
         weights(x, V, m, scale, w);
@@ -278,17 +283,16 @@ static int64_t draw_row(const float *x, int64_t V, float scale, int64_t top_k, f
 
 void draw_f32(const float *x, int64_t rows, int64_t V, int64_t stride, const float *scale, const int64_t *top_k,
               const float *top_p, const float *min_p, const float *u, int64_t *token, int nthreads) {
-    int truncates = 0;
-    for (int64_t r = 0; r < rows; r++) truncates |= (top_k[r] > 0 && top_k[r] < V) || top_p[r] < 1.f || min_p[r] > 0.f;
+    int any = 0;
+    for (int64_t r = 0; r < rows; r++) any |= truncates(top_k[r], top_p[r], min_p[r], V);
 #pragma omp parallel num_threads(nthreads) if (rows * V >= 32768)
     {
-        float *w = truncates ? malloc(2 * sizeof(float) * (size_t)V) : 0;
+        float *w = any ? malloc(2 * sizeof(float) * (size_t)V) : 0;
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const int truncated = (top_k[r] > 0 && top_k[r] < V) || top_p[r] < 1.f || min_p[r] > 0.f;
-            token[r] = truncated && !w ? -1 /* out of memory */
-                                       : draw_row(x + r * stride, V, scale[r], top_k[r], top_p[r], min_p[r], u[r], w);
-        }
+        for (int64_t r = 0; r < rows; r++)
+            token[r] = truncates(top_k[r], top_p[r], min_p[r], V) && !w
+                           ? -1 /* out of memory */
+                           : draw_row(x + r * stride, V, scale[r], top_k[r], top_p[r], min_p[r], u[r], w);
         free(w);
     }
 }
