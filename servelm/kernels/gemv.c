@@ -163,8 +163,8 @@ void int8_linear_bf16(const uint16_t *x, int64_t K, const int8_t *w, const uint1
  * (bench/gemm.py); this kernel keeps a tile of up to PAIR_ROWS rows x 32
  * outputs in registers, multiplies each 64-byte vector of weights (16
  * outputs x one pair of K) by the tile's rows' pair of x broadcast
- * (vdpbf16ps), and asks for the next 32 outputs' weights while it sums the
- * first tile. AVX512-BF16 CPUs only; elsewhere bf16_pairs_supported() is 0
+ * (vdpbf16ps), and asks for the next 32 outputs' weights while it sums these
+ * 32's tiles. AVX512-BF16 CPUs only; elsewhere bf16_pairs_supported() is 0
  * and callers keep oneDNN.
  *
  * The pair layout of W [N, K] (N a multiple of 32, K even): element (n, k)
