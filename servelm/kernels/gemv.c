@@ -237,8 +237,10 @@ void bf16_gemm_pairs(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pa
     /* While a thread's 32 outputs are summed, each tile of rows asks for an even share of the next 32 outputs'
      * weights (most likely this thread's next), a line or more a pair of K. All of them during the first tile
      * ran 0.89x on the Qwen shape's down projection at 32 rows from memory, 0.94x on its LM head (Zen 5). */
+    if (M <= 0) return;
     const int64_t tiles = (M + PAIR_ROWS - 1) / PAIR_ROWS, lines = 2 * block * (int64_t)sizeof(uint16_t) / 64;
-    const int64_t share = (lines + tiles - 1) / tiles, per_pair = (share + K / 2 - 1) / (K / 2);
+    const int64_t steps = K / 2 > 0 ? K / 2 : 1; /* pairs of K */
+    const int64_t share = (lines + tiles - 1) / tiles, per_pair = (share + steps - 1) / steps;
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")
     for (int64_t n32 = 0; n32 < N / 32; n32++) {
         const uint16_t *w0 = pairs + 2 * n32 * block, *w1 = w0 + block;

@@ -163,6 +163,17 @@ def test_the_small_gemm_refuses_widths_its_layout_cannot_hold(native):
     assert native.pack_pairs(torch.zeros(16, 16, dtype=torch.bfloat16)) is None
 
 
+def test_the_small_gemm_takes_no_rows_and_no_inputs(native):
+    """No rows: an empty product; no inputs (K = 0): the bias alone (no division by the pairs of K)."""
+    pairs = native.pack_pairs(torch.randn(64, 32).to(torch.bfloat16))
+    if pairs is None:
+        pytest.skip("no AVX512-BF16: no pair layout")
+    assert native.gemm_pairs(torch.zeros(0, 32, dtype=torch.bfloat16), pairs, 64).shape == (0, 64)
+    empty = native.pack_pairs(torch.zeros(64, 0, dtype=torch.bfloat16))
+    bias = torch.randn(64).to(torch.bfloat16)
+    assert torch.equal(native.gemm_pairs(torch.zeros(3, 0, dtype=torch.bfloat16), empty, 64, bias), bias.expand(3, 64))
+
+
 def test_the_decoding_step_refuses_a_table_naming_no_block_of_its_cache(native, tiny_llama):
     model, _ = tiny_llama("bf16")
     caches = [torch.zeros(2, 8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(3)]  # 8 blocks
