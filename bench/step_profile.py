@@ -1,8 +1,8 @@
 """Where the time of ``bench/compare.sh``'s load goes inside servelm's engine, step by step, against the
 machine's bfloat16 GEMM peak, in one process.
 
-On the CPU. First the peak (bench/machine_limits.py's products, by default its 2048 x 896 x 4864; ``--gemm``). Then servelm's engine
-(``LLM``) runs the load compare.sh sends: --num-prompts prompts of --input-len random tokens (the chat
+On the CPU. First the peak (bench/machine_limits.py's products, by default its 2048 x 896 x 4864;
+``--gemm``). Then servelm's engine (``LLM``) runs the load compare.sh sends: --num-prompts prompts of --input-len random tokens (the chat
 template makes compare.sh's 128 about 158), --output-len tokens each, up to --max-num-seqs at once,
 temperature 1.0, no prefix cache, --repeats times after a warm-up. Every engine step is timed with its
 parts: the model's forward, the LM head, the sampler, and the rest of the runner's step. The steps are
