@@ -133,12 +133,17 @@ class Sampler:
         if logits.shape[0] != len(states):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(states)} sampling states")
         logits = logits.float()
-        # The raw logprobs are logits - largest - logsum: no [rows, vocab] log-softmax is written.
-        largest, index, logsum = log_softmax_stats(logits)
         allowed = mask_logits(logits, [s.grammar for s in states])
         processed = apply_logits_processors(allowed, states)
-        # The fallback of a row left with no token is its grammar's best, not the raw argmax.
-        token_ids = _choose(processed, allowed, states, (largest, index) if processed is logits else None)
+        # The raw logprobs are logits - largest - logsum: no [rows, vocab] log-softmax is written. Where every
+        # row draws from the raw logits on CPU, the draw's own pass over each row gives them.
+        drawn = _drawn_with_stats(logits, states) if processed is logits else None
+        if drawn is not None:
+            token_ids, largest, logsum = drawn
+        else:
+            largest, index, logsum = log_softmax_stats(logits)
+            # The fallback of a row left with no token is its grammar's best, not the raw argmax.
+            token_ids = _choose(processed, allowed, states, (largest, index) if processed is logits else None)
         chosen = logits.gather(1, token_ids[:, None])[:, 0] - largest - logsum
         return SamplerOutput(
             token_ids=token_ids.tolist(),
@@ -201,27 +206,56 @@ def _sample(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> 
     and the truncations applied as they go: no ``[rows, vocab]``
     distribution is written, no row sorted.
     """
-    generators = [s.generator for s in states]
-    native = kernels.for_tensors(x)
-    if native is not None and x.dtype == torch.float32 and x.stride(1) == 1:
-        params = [s.params for s in states]
-        tokens = native.draw(
-            x,
-            torch.tensor([1.0 / p.temperature for p in params]),
-            torch.tensor([p.top_k for p in params]),
-            torch.tensor([p.top_p for p in params]),
-            torch.tensor([p.min_p for p in params]),
-            uniforms(len(states), generators, x.dtype, x.device)[:, 0],
-        )
+    drawn = _native_draw(x, states)
+    if drawn is not None:
+        tokens = drawn[0]
         degenerate = tokens < 0
     else:
         probs, degenerate = sampling_probs(x, states)
         # The draw runs for every row, so seeded rows consume their generators as always.
+        generators = [s.generator for s in states]
         tokens = random_choice(torch.where(degenerate[:, None], 1.0, probs) if degenerate.any() else probs, generators)
     if degenerate.any():
         bad = degenerate.nonzero()[:, 0]
         tokens[bad] = greedy_tokens(x[bad], raw[bad])
     return tokens
+
+
+def _native_draw(x: torch.Tensor, states: list[SamplingState]) -> tuple[torch.Tensor, ...] | None:
+    """The native kernel's draw from ``x`` (``kernels.CpuKernels.draw``: tokens, -1 for a row with no
+    distribution, and the rows' largest values and logsums), or None where it does not run."""
+    native = kernels.for_tensors(x)
+    if native is None or x.dtype != torch.float32 or x.stride(1) != 1:
+        return None
+    params = [s.params for s in states]
+    return native.draw(
+        x,
+        torch.tensor([1.0 / p.temperature for p in params]),
+        torch.tensor([p.top_k for p in params]),
+        torch.tensor([p.top_p for p in params]),
+        torch.tensor([p.min_p for p in params]),
+        uniforms(len(states), [s.generator for s in states], x.dtype, x.device)[:, 0],
+    )
+
+
+def _drawn_with_stats(
+    logits: torch.Tensor, states: list[SamplingState]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(tokens, largest, logsum) where every row draws from the raw ``logits`` in the native kernel: one pass
+    over each row for both the draw and its logprobs; None where a row is greedy or the kernel does not run
+    (no random number used then). A row with no distribution takes its greedy token, as in ``_sample``."""
+    if any(is_greedy(s.params) for s in states):
+        return None
+    drawn = _native_draw(logits, states)
+    if drawn is None:
+        return None
+    tokens, largest, logsum = drawn
+    degenerate = tokens < 0
+    if degenerate.any():  # rare: the stats the usual way too (the kernel's lack them for a row it had no memory for)
+        bad = degenerate.nonzero()[:, 0]
+        tokens[bad] = greedy_tokens(logits[bad], logits[bad])
+        largest, _, logsum = log_softmax_stats(logits)
+    return tokens, largest, logsum
 
 
 def sampling_probs(x: torch.Tensor, states: list[SamplingState]) -> tuple[torch.Tensor, torch.Tensor]:

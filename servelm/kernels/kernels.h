@@ -90,9 +90,11 @@ void write_kv(char *k_cache, char *v_cache, const char *key, const char *value, 
 /* sample.c: one random draw per row r of x [rows, V] (row r at x + r * stride) from softmax(x[r] * scale[r])
  * after top-k (top_k[r] <= 0 or >= V: none), top-p (top_p[r] >= 1: none) and min-p (min_p[r] <= 0: none): the
  * first index whose running sum of the kept weights exceeds u[r] (in [0, 1)) times their total, never a token
- * of weight 0; -1 for a row with a NaN or +inf, or nothing above -inf (or no memory for a truncating row). */
+ * of weight 0; -1 for a row with a NaN or +inf, or nothing above -inf (or no memory for a truncating row).
+ * largest[r], logsum[r]: as log_softmax_stats_f32 gives them (NaN both where the row had no memory). */
 void draw_f32(const float *x, int64_t rows, int64_t V, int64_t stride, const float *scale, const int64_t *top_k,
-              const float *top_p, const float *min_p, const float *u, int64_t *token, int nthreads);
+              const float *top_p, const float *min_p, const float *u, int64_t *token, float *largest, float *logsum,
+              int nthreads);
 
 /* sample.c: the k largest values of each row rows[r] of x [.., V] (row i at x + i * stride), k <= V, with their
  * indices, largest first (of equal values the lower index first), into values and ids [n, k]: a min-heap of the

@@ -102,8 +102,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> log_softmax_stats(const at::Tenso
     return {largest, at, logsum};
 }
 
-at::Tensor draw(const at::Tensor &x, const at::Tensor &scale, const at::Tensor &top_k, const at::Tensor &top_p,
-                const at::Tensor &min_p, const at::Tensor &u) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draw(const at::Tensor &x, const at::Tensor &scale, const at::Tensor &top_k,
+                                                    const at::Tensor &top_p, const at::Tensor &min_p, const at::Tensor &u) {
     const char *op = "draw";
     check_cpu(op, {&x, &scale, &top_k, &top_p, &min_p, &u});
     CHECK_ARG(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, op,
@@ -114,10 +114,11 @@ at::Tensor draw(const at::Tensor &x, const at::Tensor &scale, const at::Tensor &
                       t->is_contiguous(),
                   op, ": scale, top_p, min_p and u must be contiguous float32 [rows], top_k int64 [rows]");
     at::Tensor token = at::empty({rows}, x.options().dtype(at::kLong));
+    at::Tensor largest = at::empty({rows}, x.options()), logsum = at::empty({rows}, x.options());
     draw_f32(x.data_ptr<float>(), rows, x.size(1), x.stride(0), scale.data_ptr<float>(), top_k.data_ptr<int64_t>(),
              top_p.data_ptr<float>(), min_p.data_ptr<float>(), u.data_ptr<float>(), token.data_ptr<int64_t>(),
-             at::get_num_threads());
-    return token;
+             largest.data_ptr<float>(), logsum.data_ptr<float>(), at::get_num_threads());
+    return {token, largest, logsum};
 }
 
 std::tuple<at::Tensor, at::Tensor> top_values(const at::Tensor &x, const at::Tensor &rows, int64_t k) {
@@ -280,7 +281,7 @@ TORCH_LIBRARY_FRAGMENT(servelm, m) {
     m.def("rope_(Tensor(a!) x, int heads, int head_dim, Tensor cos_sin, Tensor positions) -> ()");
     m.def("silu_mul(Tensor gate_up) -> Tensor");
     m.def("log_softmax_stats(Tensor x) -> (Tensor, Tensor, Tensor)");
-    m.def("draw(Tensor x, Tensor scale, Tensor top_k, Tensor top_p, Tensor min_p, Tensor u) -> Tensor");
+    m.def("draw(Tensor x, Tensor scale, Tensor top_k, Tensor top_p, Tensor min_p, Tensor u) -> (Tensor, Tensor, Tensor)");
     m.def("top_values(Tensor x, Tensor rows, int k) -> (Tensor, Tensor)");
     m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
     m.def("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");

@@ -200,13 +200,15 @@ class CpuKernels:
         top_p: torch.Tensor,
         min_p: torch.Tensor,
         u: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token per row of float32 ``x`` ``[rows, vocab]`` (rows contiguous), drawn with the uniform number
         ``u`` (in [0, 1)) from ``softmax(x * scale[:, None])`` after top-k, top-p and min-p, as the sampler's
         PyTorch stages and ``row_blocks.inverse_cdf`` draw it: the first index whose running sum of the kept
         probabilities exceeds ``u`` times their total, never a token of probability 0. ``top_k`` (int64) <= 0 or
         >= vocab, ``top_p`` >= 1 and ``min_p`` <= 0 leave a row whole; the others are float32, all ``[rows]``.
-        int64 ``[rows]``; -1 where the row has no distribution (a NaN or +inf in it, or nothing above -inf)."""
+        Returns int64 ``[rows]``, -1 where the row has no distribution (a NaN or +inf in it, or nothing above
+        -inf), and each row's largest value and logsum as ``log_softmax_stats`` gives them, from the same pass
+        at temperature 1 (NaN both for a truncating row the kernel had no memory for)."""
         return self._draw(x, scale, top_k, top_p, min_p, u)
 
     def top_values(self, x: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

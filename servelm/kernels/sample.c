@@ -51,7 +51,8 @@ static float row_largest(const float *x, int64_t V) {
     return m;
 }
 
-/* w[i] = exp((x[i] - m) * scale) for i in [0, n), 0 for an x[i] of -inf, and their sum. */
+/* w[i] = exp((x[i] - m) * scale) for i in [0, n), 0 for an x[i] of -inf, and their sum (w NULL: the sum
+ * alone). */
 static float weights(const float *x, int64_t n, float m, float scale, float *w) {
     int64_t i = 0;
     float sum = 0.f;
@@ -61,15 +62,15 @@ static float weights(const float *x, int64_t n, float m, float scale, float *w) 
     for (; i + 16 <= n; i += 16) {
         const __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vmax), vscale);
         const __m512 e = exp16(_mm512_max_ps(z, floor)); /* exp16(-inf) is NaN; e^-200 is 0 in float32 */
-        _mm512_storeu_ps(w + i, e);
+        if (w) _mm512_storeu_ps(w + i, e);
         vs = _mm512_add_ps(vs, e);
     }
     sum = _mm512_reduce_add_ps(vs);
 #endif
     for (; i < n; i++) {
-        const float z = (x[i] - m) * scale;
-        w[i] = z > -200.f ? expf(z) : 0.f;
-        sum += w[i];
+        const float z = (x[i] - m) * scale, e = z > -200.f ? expf(z) : 0.f;
+        if (w) w[i] = e;
+        sum += e;
     }
     return sum;
 }
@@ -246,15 +247,21 @@ static int truncates(int64_t top_k, float top_p, float min_p, int64_t V) {
 }
 
 /* One row's draw: scale = 1 / temperature, top_k <= 0 or >= V for none, top_p >= 1 for none, min_p <= 0 for
- * none; w is the row's workspace (2 V floats), for a row that truncates. */
+ * none; w is the row's workspace (2 V floats), for a row that truncates. Also the row's largest logit and
+ * log(sum of exp(x - largest)), as log_softmax_stats gives them (NaN where the largest is not finite): at
+ * temperature 1 the sum of the weights themselves, else one more pass over the row. */
 static int64_t draw_row(const float *x, int64_t V, float scale, int64_t top_k, float top_p, float min_p, float u,
-                        float *w) {
+                        float *w, float *largest, float *logsum) {
     const float m = row_largest(x, V);
+    *largest = m;
+    *logsum = NAN;
     if (!f32_is_finite(m)) return -1;
     const int plain = !truncates(top_k, top_p, min_p, V);
     struct kept keep = {-INFINITY, 0.f};
+    float raw = -1.f; /* the sum of exp(x - m), once known */
     if (!plain) {
-        weights(x, V, m, scale, w);
+        const float sum = weights(x, V, m, scale, w);
+        if (scale == 1.f) raw = sum;
         if (top_k > 0 && top_k < V) keep.x_floor = kth_largest(x, V, top_k);
         if (top_p < 1.f) /* over top-k's tokens, before min-p, as the PyTorch stages go */
             keep.w_floor = top_p_floor(x, w, V, keep.x_floor, top_p, w + V);
@@ -269,6 +276,8 @@ static int64_t draw_row(const float *x, int64_t V, float scale, int64_t top_k, f
         block_sums[b] = plain ? weights(x + start, n, m, scale, block) : kept_sum(x + start, w + start, n, keep);
         total += block_sums[b];
     }
+    if (plain && scale == 1.f) raw = total;
+    *logsum = logf(raw >= 0.f ? raw : weights(x, V, m, 1.f, NULL));
     float target = u * total;
     int64_t b = 0;
     for (; b < nblocks - 1 && target >= block_sums[b]; b++) target -= block_sums[b];
@@ -282,17 +291,23 @@ static int64_t draw_row(const float *x, int64_t V, float scale, int64_t top_k, f
 }
 
 void draw_f32(const float *x, int64_t rows, int64_t V, int64_t stride, const float *scale, const int64_t *top_k,
-              const float *top_p, const float *min_p, const float *u, int64_t *token, int nthreads) {
+              const float *top_p, const float *min_p, const float *u, int64_t *token, float *largest, float *logsum,
+              int nthreads) {
     int any = 0;
     for (int64_t r = 0; r < rows; r++) any |= truncates(top_k[r], top_p[r], min_p[r], V);
 #pragma omp parallel num_threads(nthreads) if (rows * V >= 32768)
     {
         float *w = any ? malloc(2 * sizeof(float) * (size_t)V) : 0;
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            token[r] = truncates(top_k[r], top_p[r], min_p[r], V) && !w
-                           ? -1 /* out of memory */
-                           : draw_row(x + r * stride, V, scale[r], top_k[r], top_p[r], min_p[r], u[r], w);
+        for (int64_t r = 0; r < rows; r++) {
+            if (truncates(top_k[r], top_p[r], min_p[r], V) && !w) { /* out of memory */
+                token[r] = -1;
+                largest[r] = logsum[r] = NAN;
+                continue;
+            }
+            token[r] = draw_row(x + r * stride, V, scale[r], top_k[r], top_p[r], min_p[r], u[r], w, largest + r,
+                                logsum + r);
+        }
         free(w);
     }
 }

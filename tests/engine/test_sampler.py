@@ -428,6 +428,43 @@ def test_the_native_pass_over_the_logits_gives_what_pytorch_gives(monkeypatch):
     assert native.logprobs[1] == pytest.approx(raw[1].max().item(), abs=1e-5)  # greedy: the top raw logprob
 
 
+def test_when_every_row_is_sampled_the_draw_gives_the_logprobs_too(monkeypatch):
+    # No greedy row, no processor: the kernel's draw also gives each row's largest logit and logsum (one pass
+    # over the row), and log_softmax_stats is not called, unless a row has nothing to draw from. The tokens
+    # are the seeded ones the PyTorch fallback draws; the logprobs, the raw log-softmax's.
+    from servelm import kernels
+    from servelm.engine import sampler as sampler_mod
+
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(2)).mul(4)
+    logits[1, 100:] = float("-inf")
+    settings = [{}, {"temperature": 0.7}, {"temperature": 1.3, "top_p": 0.9}, {"top_k": 20}, {"min_p": 0.05}, {}]
+
+    def sample(rows):
+        states = [state(SamplingParams(**settings[i], logprobs=3), seed=10 + i) for i in range(rows.shape[0])]
+        return Sampler()(rows.clone(), states)
+
+    assert kernels.for_tensors(logits) is not None
+    stats = sampler_mod.log_softmax_stats
+    monkeypatch.setattr(sampler_mod, "log_softmax_stats", lambda x: pytest.fail("a second pass over the logits"))
+    native = sample(logits)
+    broken = logits.clone()
+    broken[5] = float("nan")  # no distribution: the usual stats after all, and a greedy fallback
+    monkeypatch.setattr(sampler_mod, "log_softmax_stats", stats)
+    native_broken = sample(broken)
+    monkeypatch.setattr(kernels, "for_tensors", lambda *tensors: None)
+    fallback, fallback_broken = sample(logits), sample(broken)
+    assert native.token_ids == fallback.token_ids
+    assert native.logprobs == pytest.approx(fallback.logprobs, abs=1e-5)
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    assert native.logprobs == pytest.approx([raw[r, t].item() for r, t in enumerate(native.token_ids)], abs=1e-5)
+    for mine, theirs in zip(native.top_logprobs, fallback.top_logprobs):
+        assert [t for t, _ in mine] == [t for t, _ in theirs]
+        assert [v for _, v in mine] == pytest.approx([v for _, v in theirs], abs=1e-5)
+    assert native_broken.token_ids[:5] == native.token_ids[:5] == fallback_broken.token_ids[:5]
+    assert 0 <= native_broken.token_ids[5] < 49152 and math.isnan(native_broken.logprobs[5])
+    assert native_broken.logprobs[:5] == pytest.approx(native.logprobs[:5], abs=1e-5)
+
+
 def _native_draw(logits, params, u):
     from servelm import kernels
 
@@ -441,6 +478,18 @@ def _native_draw(logits, params, u):
         torch.tensor([p.min_p for p in params]),
         u,
     )
+
+
+def _assert_row_stats(logits, drawn):
+    """The draw's largest value and logsum of every row: as ``log_softmax_stats`` gives them (NaN logsum where
+    the largest is not finite)."""
+    _, largest, logsum = drawn
+    top = logits.max(dim=-1).values
+    finite = torch.isfinite(top)
+    assert torch.equal(largest[finite], top[finite])
+    assert torch.isnan(logsum[~finite]).all()
+    expected = torch.logsumexp(logits[finite].double() - top[finite, None].double(), dim=-1)
+    torch.testing.assert_close(logsum[finite].double(), expected, rtol=1e-6, atol=1e-6)
 
 
 def _assert_drawn_from(tokens, probs, u):
@@ -472,15 +521,20 @@ def test_the_native_draw_takes_the_token_whose_share_of_the_running_sum_holds_th
     params = [SamplingParams(temperature=t) for t in temperatures]
     u = torch.rand(rows, generator=generator)
     u[:4] = torch.tensor([0.0, 1.0 - 2**-24, 0.5, 0.999])
-    tokens = _native_draw(logits, params, u)
+    drawn = _native_draw(logits, params, u)
+    tokens = drawn[0]
     _assert_drawn_from(tokens, torch.softmax(logits.double() / torch.tensor(temperatures)[:, None], dim=-1), u)
     assert tokens[7] == vocab - 1 and tokens[8] == vocab - 1
+    _assert_row_stats(logits, drawn)  # at temperature 1 the draw's own sums, else one more pass
 
     broken = torch.zeros(3, 40)
     broken[0, 5] = float("nan")
     broken[1, 9] = float("inf")
     broken[2] = float("-inf")
-    assert _native_draw(broken, [SamplingParams()] * 3, torch.full((3,), 0.5)).tolist() == [-1, -1, -1]
+    drawn = _native_draw(broken, [SamplingParams()] * 3, torch.full((3,), 0.5))
+    assert drawn[0].tolist() == [-1, -1, -1]
+    assert torch.isnan(drawn[1][0]) and drawn[1][1] == float("inf") and drawn[1][2] == float("-inf")
+    assert torch.isnan(drawn[2]).all()
 
 
 @pytest.mark.parametrize(
@@ -513,7 +567,9 @@ def test_the_native_draw_keeps_the_tokens_the_pytorch_stages_keep(truncation):
     probs, degenerate = sampling_probs(logits, states)
     assert not degenerate.any()
     u = torch.rand(rows, generator=generator)
-    _assert_drawn_from(_native_draw(logits, [params] * rows, u), probs, u)
+    drawn = _native_draw(logits, [params] * rows, u)
+    _assert_drawn_from(drawn[0], probs, u)
+    _assert_row_stats(logits, drawn)
 
 
 def test_the_native_top_values_are_the_rows_largest_in_order():
