@@ -13,6 +13,8 @@
  * weights exceeds u times their total, found from sums of blocks of
  * DRAW_BLOCK columns, then a running sum inside the block found; a weight
  * of 0 (a banned token, -inf) adds nothing, so it is never the one found.
+ * The draw also gives each row's largest logit and logsum, as
+ * log_softmax_stats would (the sampler then skips that pass over the row).
  * And a request's top logprobs: each row's k largest logits (top_values).
  * Built at first use by servelm/kernels. */
 #include <stdint.h>
