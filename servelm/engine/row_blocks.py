@@ -31,6 +31,13 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, block[:, 0] * BLOCK + within
 
 
+def row_kernels(x: torch.Tensor) -> kernels.CpuKernels | None:
+    """The CPU kernels where they read ``x`` as float32 rows ``[rows, vocab]``, each contiguous (their
+    passes over logits: ``log_softmax_stats``, the draw, ``top_values``); None elsewhere."""
+    native = kernels.for_tensors(x)
+    return native if native is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 else None
+
+
 def log_softmax_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(largest, index, logsum)`` per row of float32 ``logits``, with ``log_softmax(logits) = logits -
     largest - logsum``: ``logits.max(dim=-1)`` (a NaN counts as largest) and ``log(sum(exp(logits -
@@ -39,8 +46,8 @@ def log_softmax_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     On CPU one pass of a native kernel, 2-3x faster than ``log_softmax`` over a 150k vocabulary, which
     also writes a result as large as the logits (bench/sampler_stats.py).
     """
-    native = kernels.for_tensors(logits)
-    if native is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+    native = row_kernels(logits)
+    if native is not None:
         return native.log_softmax_stats(logits)
     largest, index = row_max(logits)
     # logsumexp is inf, -inf or NaN where largest is not finite, and the difference then NaN.

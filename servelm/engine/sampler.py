@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from servelm import kernels
 from servelm.engine.grammar_matcher import GrammarMatcher, mask_logits
 from servelm.engine.logits_processors import apply_logits_processors
-from servelm.engine.row_blocks import inverse_cdf, log_softmax_stats, mass_threshold, row_max
+from servelm.engine.row_blocks import inverse_cdf, log_softmax_stats, mass_threshold, row_kernels, row_max
 from servelm.engine.sampling_params import SamplingParams
 
 # How many of the most likely tokens top-p looks at before it searches a whole row.
@@ -221,11 +220,13 @@ def _sample(x: torch.Tensor, raw: torch.Tensor, states: list[SamplingState]) -> 
     return tokens
 
 
-def _native_draw(x: torch.Tensor, states: list[SamplingState]) -> tuple[torch.Tensor, ...] | None:
+def _native_draw(
+    x: torch.Tensor, states: list[SamplingState]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The native kernel's draw from ``x`` (``kernels.CpuKernels.draw``: tokens, -1 for a row with no
     distribution, and the rows' largest values and logsums), or None where it does not run."""
-    native = kernels.for_tensors(x)
-    if native is None or x.dtype != torch.float32 or x.stride(1) != 1:
+    native = row_kernels(x)
+    if native is None:
         return None
     params = [s.params for s in states]
     return native.draw(
@@ -376,8 +377,8 @@ def top_logprobs(
     vocab = raw_logprobs.shape[1]
     max_k = min(max(wanted.values()), vocab)
     rows = torch.tensor(asking, device=raw_logprobs.device)
-    native = kernels.for_tensors(raw_logprobs)
-    if native is not None and raw_logprobs.dtype == torch.float32 and raw_logprobs.stride(1) == 1:
+    native = row_kernels(raw_logprobs)
+    if native is not None:
         values, ids = native.top_values(raw_logprobs, rows, max_k)
     else:
         values, ids = raw_logprobs[rows].topk(max_k, dim=-1)
