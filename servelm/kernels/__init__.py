@@ -17,9 +17,12 @@
 - ``kv_int8.c``: the int8 KV cache (``--kv-cache-dtype int8``): rounding a
   step's K/V rows into it, and decode attention over it (prefill's is in
   paged_attention.c), reading half the bytes of a bfloat16 cache.
+- ``attention_pairs.c``: prefill attention's weighted values, the values
+  and the softmax's weights laid out in pairs of keys for ``vdpbf16ps``.
 - ``attention_amx.c``: attention's scores (q . k) on AMX tiles where the
-  CPU has them, for decoding (a 16-token cache block at a time) and prefill;
-  paged_attention.c's bfloat16 kernels ask it first.
+  CPU has them, for decoding (a 16-token cache block at a time) and prefill,
+  and prefill's weighted values; paged_attention.c's bfloat16 kernels ask it
+  first.
 - ``gemv.c``: matrix-vector products for batch-1 decoding, bfloat16 and
   int8 weights, streaming each weight row once at close to memory speed, and
   a small GEMM for decoding a few dozen sequences over weights in its own

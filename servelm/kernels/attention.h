@@ -87,6 +87,12 @@ static inline void prefetch_rows(const void **rows, int64_t len, int64_t bytes) 
         for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)rows[t] + o, _MM_HINT_T1);
 }
 
+/* The 16 keys from t0 that are among the first len (t0 + i < len): the rest are a block's unused slots, stale,
+ * or keys a row does not see. */
+static inline __mmask16 valid_keys(int64_t t0, int64_t len) {
+    return len - t0 >= 16 ? 0xffff : len > t0 ? (__mmask16)((1u << (len - t0)) - 1) : 0;
+}
+
 /* 16 int8 widened to 16 float32 lanes. */
 static inline __m512 widen16_int8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));

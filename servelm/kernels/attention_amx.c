@@ -3,8 +3,8 @@
  *
  * Prefill: an item's query rows (copied into 16-row tiles) times its keys, which the prefill kernel has
  * already transposed into the tile unit's pair layout, 16 keys a tile; the sums go straight to the scores.
- * Then its softmaxed weights, rounded to bfloat16 (as flash attention's are on GPUs), times the values, which
- * the prefill kernel has laid out in pairs of keys: 16 rows x 64 dims a pass, in four tiles of sums.
+ * Then its softmaxed weights, rounded to bfloat16 in pairs of keys, times the values in pairs of keys (both laid
+ * out by attention_pairs.c): 16 rows x 64 dims a pass, in four tiles of sums.
  *
  * Decode: for one sequence and one KV head, its G query heads' scores against the keys: a tile of 16 keys x 32 dims
  * (one 16-slot cache block's rows, KVH * D apart) times the query heads' same 32 dims in pairs (the tile unit's
@@ -33,12 +33,6 @@ static inline void prefetch_block(const void *head, const int64_t *table, int64_
     const char *rows = (const char *)head + (table[t / block_size] * block_size + t % block_size) * stride;
     for (int i = 0; i < 16; i++)
         for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(rows + i * stride + b, _MM_HINT_T0);
-}
-
-/* The 16 keys from t0 that are among the first len (t0 + i < len): the rest are a block's unused slots, stale,
- * or keys a row does not see. */
-static inline __mmask16 valid_keys(int64_t t0, int64_t len) {
-    return len - t0 >= 16 ? 0xffff : len > t0 ? (__mmask16)((1u << (len - t0)) - 1) : 0;
 }
 
 /* The indices of column r of a tile of 16 x 16 32-bit sums, for a gather: row i's at 16 i + r. */
@@ -134,45 +128,11 @@ int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, co
 #endif
 }
 
-#ifdef KERNELS_AMX
-/* Dims d .. d + 15 of a bfloat16 row as 32-bit words (0 without a row). */
-static inline __m512i widened(const uint16_t *row, int64_t d) {
-    return row ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + d))) : _mm512_setzero_si512();
-}
-#endif
-
-int64_t prefill_pair_words(int64_t ctx, int64_t D) { return (ctx + 31) / 32 * 16 * D; }
-
-void prefill_pair_values(const void **rows, int64_t ctx, int64_t D, int kv_int8, uint16_t *wide, uint32_t *vt) {
-#ifdef KERNELS_AMX
-    const int64_t padded = (ctx + 31) / 32 * 32;
-    for (int64_t t = 0; t < padded; t += 2) {
-        const uint16_t *a = NULL, *b = NULL;
-        if (t < ctx) a = kv_int8 ? (int8_to_bf16(rows[t], wide, D), wide) : rows[t];
-        if (t + 1 < ctx) b = kv_int8 ? (int8_to_bf16(rows[t + 1], wide + D, D), wide + D) : rows[t + 1];
-        for (int64_t d = 0; d < D; d += 16)
-            _mm512_storeu_si512(vt + t / 2 * D + d,
-                                _mm512_or_si512(widened(a, d), _mm512_slli_epi32(widened(b, d), 16)));
-    }
-#else
-    (void)rows, (void)ctx, (void)D, (void)kv_int8, (void)wide, (void)vt;
-#endif
-}
-
-int prefill_values_amx(const float *p, int64_t rows, int64_t stride, int64_t first_seen, int64_t G, const uint32_t *vts,
-                       int64_t D, uint16_t *const *orows, uint16_t *pbuf, float *acc) {
+int prefill_values_amx(const uint16_t *pbuf, int64_t width, int64_t rows, int64_t first_seen, int64_t G,
+                       const uint32_t *vts, int64_t D, uint16_t *const *orows, float *acc) {
 #ifdef KERNELS_AMX
     if (!enabled || D % 64 || !amx_granted()) return 0;
-    const int64_t padded = (rows + 15) / 16 * 16, last_seen = first_seen + (rows - 1) / G;
-    const int64_t width = (last_seen + 31) / 32 * 32; /* bfloat16 weights a row of pbuf */
-    for (int64_t r = 0; r < padded; r++) { /* the weights in bfloat16, 0 past the keys each row sees */
-        const int64_t seen = r < rows ? first_seen + r / G : 0;
-        for (int64_t t = 0; t < width; t += 32) {
-            const __m512 a = _mm512_maskz_loadu_ps(valid_keys(t, seen), p + r * stride + t);
-            const __m512 b = _mm512_maskz_loadu_ps(valid_keys(t + 16, seen), p + r * stride + t + 16);
-            _mm512_storeu_si512(pbuf + r * width + t, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-        }
-    }
+    const int64_t padded = (rows + 15) / 16 * 16;
     amx_configure();
     for (int64_t r0 = 0; r0 < padded; r0 += 16) {
         const int64_t top = r0 + 16 < rows ? r0 + 16 : rows; /* the block's rows; its last sees the most keys */
@@ -207,7 +167,7 @@ int prefill_values_amx(const float *p, int64_t rows, int64_t stride, int64_t fir
     _tile_release();
     return 1;
 #else
-    (void)p, (void)rows, (void)stride, (void)first_seen, (void)G, (void)vts, (void)D, (void)orows, (void)pbuf, (void)acc;
+    (void)pbuf, (void)width, (void)rows, (void)first_seen, (void)G, (void)vts, (void)D, (void)orows, (void)acc;
     return 0;
 #endif
 }

@@ -233,40 +233,55 @@ DEFINE_DECODE(paged_decode_f32, float, f32_identity, f32_identity, scores_none, 
  * item is a tile of tokens (up to 24 query rows) x one KV head's query heads: its
  * scores are summed PREFILL_ROWS query rows at a time against each chunk of
  * 16 keys (one load of the keys serves them all), then softmaxed in float32
- * per row over the keys the row sees, then each token's heads sum the V
- * rows as the decode kernel does. On AMX CPUs both products run on tiles
- * (attention_amx.c): the scores over the transposed keys, and the weights,
- * rounded to bfloat16, over the values, which are then laid out in pairs of
- * keys beside the keys' transposition. An int8 cache (kv_int8, attention.h's rows)
+ * per row over the keys the row sees, rounded to bfloat16 and multiplied by
+ * the values, laid out in pairs of keys beside the keys' transposition
+ * (attention_pairs.c). On AMX CPUs both products run on tiles
+ * (attention_amx.c). An int8 cache (kv_int8, attention.h's rows)
  * has its keys transposed as bfloat16 integers, their scales applied to the
  * scores, and the values' scales to the weights. Returns 0 where it does not
  * apply (the caller then runs PyTorch's path): no AVX512-BF16, or D not a
  * multiple of 64. */
 #ifdef ATTENTION_AVX512BF16
-#define PREFILL_ROWS 8 /* query rows whose scores stay in registers over a chunk */
+#define PREFILL_ROWS 6   /* query rows whose scores stay in registers over a pass of the keys */
+#define PREFILL_CHUNKS 4 /* chunks of 16 keys a pass: 24 sums, each key load serving 6 rows, each query load 4 chunks */
 
 static inline __attribute__((always_inline)) void chunk_scores(const uint32_t *kt, const uint32_t *const *q, int ROWS,
-                                                              int64_t pairs, float scale, float *scores,
+                                                              int CHUNKS, int64_t pairs, float scale, float *scores,
                                                               int64_t stride) {
-    __m512 acc[PREFILL_ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[PREFILL_ROWS][PREFILL_CHUNKS];
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < CHUNKS; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
-        const __m512bh k = (__m512bh)_mm512_loadu_si512(kt + p * 16);
-        for (int r = 0; r < ROWS; r++)
-            acc[r] = _mm512_dpbf16_ps(acc[r], k, (__m512bh)_mm512_set1_epi32((int)q[r][p]));
+        __m512bh k[PREFILL_CHUNKS];
+        for (int c = 0; c < CHUNKS; c++) k[c] = (__m512bh)_mm512_loadu_si512(kt + (c * pairs + p) * 16);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)q[r][p]);
+            for (int c = 0; c < CHUNKS; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], k[c], qp);
+        }
     }
-    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(scores + r * stride, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < CHUNKS; c++)
+            _mm512_storeu_ps(scores + r * stride + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale)));
 }
 
-/* scores[r * stride + 16 * c + j] = scale * q_r . key 16c + j, for rows (1..PREFILL_ROWS) query rows. */
-static void rows_scores(const uint32_t *kt, const uint32_t *const *q, int64_t rows, int64_t pairs, float scale,
-                        float *scores, int64_t stride) {
-    switch (rows) {
-#define ROWS_CASE(n) case n: chunk_scores(kt, q, n, pairs, scale, scores, stride); break;
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
-        default: chunk_scores(kt, q, PREFILL_ROWS, pairs, scale, scores, stride); break;
-#undef ROWS_CASE
+/* scores[r * stride + 16 * c + j] = scale * q_r . key 16c + j, for rows (1..PREFILL_ROWS) query rows and
+ * chunks (1..PREFILL_CHUNKS) chunks of 16 keys. */
+static void rows_scores(const uint32_t *kt, const uint32_t *const *q, int64_t rows, int64_t chunks, int64_t pairs,
+                        float scale, float *scores, int64_t stride) {
+#define ROWS_CASE(n, c) case n: chunk_scores(kt, q, n, c, pairs, scale, scores, stride); break;
+#define CHUNK_CASE(c)                                                                                          \
+    case c:                                                                                                   \
+        switch (rows) {                                                                                       \
+            ROWS_CASE(1, c) ROWS_CASE(2, c) ROWS_CASE(3, c) ROWS_CASE(4, c) ROWS_CASE(5, c)                   \
+            default: chunk_scores(kt, q, PREFILL_ROWS, c, pairs, scale, scores, stride); break;              \
+        }                                                                                                     \
+        break;
+    switch (chunks) {
+        CHUNK_CASE(1) CHUNK_CASE(2) CHUNK_CASE(3)
+        default: CHUNK_CASE(PREFILL_CHUNKS)
     }
+#undef CHUNK_CASE
+#undef ROWS_CASE
 }
 
 int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_int8,
@@ -276,25 +291,25 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
     if (D % 64) return 0;
     const int64_t G = H / KVH, pairs = D / 2, row_bytes = kv_row_bytes(D, kv_int8);
     const int64_t tokens = G >= 24 ? 1 : 24 / G; /* a tile's tokens: up to 24 query rows */
-    const int amx_values = decode_scores_use_amx(-1); /* the values in pairs of keys for AMX tiles, where they run */
+    const int amx = decode_scores_use_amx(-1); /* the products on AMX tiles, where they run */
     /* where each (sequence, KV head)'s transposed keys and paired values start, and each sequence's first item */
     int64_t *kt_at = malloc(sizeof(int64_t) * (size_t)(S + 1) * 3), *item_at = kt_at + S + 1, *vt_at = item_at + S + 1;
     kt_at[0] = item_at[0] = vt_at[0] = 0;
     for (int64_t s = 0; s < S; s++) {
         kt_at[s + 1] = kt_at[s] + (ctx_lens[s] + 15) / 16 * 16 * pairs * KVH;
         item_at[s + 1] = item_at[s] + (q_lens[s] + tokens - 1) / tokens * KVH;
-        vt_at[s + 1] = vt_at[s] + (amx_values ? prefill_pair_words(ctx_lens[s], D) * KVH : 0);
+        vt_at[s + 1] = vt_at[s] + prefill_pair_words(ctx_lens[s], D) * KVH;
     }
     uint32_t *kt = malloc(sizeof(uint32_t) * (size_t)kt_at[S]);
-    uint32_t *vt = amx_values ? malloc(sizeof(uint32_t) * (size_t)vt_at[S]) : NULL;
+    uint32_t *vt = malloc(sizeof(uint32_t) * (size_t)vt_at[S]);
     float *k_scales = kv_int8 ? malloc(sizeof(float) * (size_t)(kt_at[S] / pairs)) : NULL; /* per transposed key */
     int64_t longest = 1; /* context */
     for (int64_t s = 0; s < S; s++) longest = ctx_lens[s] > longest ? ctx_lens[s] : longest;
     const int64_t most_rows = (tokens * G + 15) / 16 * 16, widest = (longest + 15) / 16 * 16; /* 16s: AMX tiles */
-    const int64_t widest_pairs = amx_values ? (longest + 31) / 32 * 32 : 0; /* a row of bfloat16 weights */
+    const int64_t widest_pairs = (longest + 31) / 32 * 32; /* a row of bfloat16 weights */
     _Pragma("omp parallel num_threads(nthreads)") {
         /* one workspace per thread, for the largest item: a malloc per item cost more than small items */
-        float *scores = malloc(sizeof(float) * (size_t)(most_rows * widest + longest + 16 * 64) +
+        float *scores = malloc(sizeof(float) * (size_t)(most_rows * widest + longest + most_rows + 16 * 64) +
                                sizeof(void *) * (size_t)(2 * most_rows + longest) +
                                sizeof(uint16_t) * (size_t)(most_rows * (D + widest_pairs) + 2 * D));
         float *acc = scores + most_rows * widest; /* a pass of AMX sums: 16 rows x 64 dims */
@@ -302,9 +317,10 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
         uint16_t **orows = (uint16_t **)(qrows + most_rows);
         const void **rows_at = (const void **)(orows + most_rows); /* K rows, then V rows */
         uint16_t *qbuf = (uint16_t *)(rows_at + longest); /* the item's query rows, for AMX tiles */
-        uint16_t *pbuf = qbuf + most_rows * D;            /* its weights in bfloat16, for AMX tiles */
+        uint16_t *pbuf = qbuf + most_rows * D;            /* its weights in bfloat16 */
         uint16_t *key_bf16 = pbuf + most_rows * widest_pairs; /* int8 key or value rows widened: two */
         float *v_scales = (float *)(key_bf16 + 2 * D);        /* an int8 head's values' scales */
+        float *inv_sums = v_scales + longest;                 /* each row's 1 / its softmax's sum */
         _Pragma("omp for schedule(dynamic)")
         for (int64_t sh = 0; sh < S * KVH; sh++) {
             const int64_t s = sh / KVH, h = sh % KVH, ctx = ctx_lens[s], padded = (ctx + 15) / 16 * 16;
@@ -326,11 +342,9 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
                 }
                 if (kv_int8) k_scales[kt_at[s] / pairs + h * padded + t] = t < ctx ? int8_row_scale(keys[t], D) : 0.f;
             }
-            if (vt) {
-                row_pointers((const char *)v_cache + h * row_bytes, tables + s * max_blocks, ctx, block_size,
-                             KVH * row_bytes, keys);
-                prefill_pair_values(keys, ctx, D, kv_int8, key_bf16, vt + vt_at[s] + h * prefill_pair_words(ctx, D));
-            }
+            row_pointers((const char *)v_cache + h * row_bytes, tables + s * max_blocks, ctx, block_size,
+                         KVH * row_bytes, keys);
+            prefill_pair_values(keys, ctx, D, kv_int8, key_bf16, vt + vt_at[s] + h * prefill_pair_words(ctx, D));
         }
         _Pragma("omp for schedule(dynamic)")
         for (int64_t item = 0; item < item_at[S]; item++) {
@@ -346,12 +360,13 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
             for (int64_t r = 0; r < rows; r++) /* row r: token r / G, head h * G + r % G */
                 qrows[r] = (const uint32_t *)(q + (q_starts[s] + first + r / G) * q_stride + (h * G + r % G) * D);
             if (!prefill_scores_amx(qrows, rows, D, kts, stride / 16, scale, scores, stride, qbuf))
-            for (int64_t c = 0; c < stride / 16; c++)
+            for (int64_t c = 0; c < stride / 16; c += PREFILL_CHUNKS)
                 for (int64_t r0 = 0; r0 < rows; r0 += PREFILL_ROWS)
                     rows_scores(kts + c * pairs * 16, qrows + r0, rows - r0 < PREFILL_ROWS ? rows - r0 : PREFILL_ROWS,
-                                pairs, scale, scores + r0 * stride + c * 16, stride);
+                                stride / 16 - c < PREFILL_CHUNKS ? stride / 16 - c : PREFILL_CHUNKS, pairs, scale,
+                                scores + r0 * stride + c * 16, stride);
             if (kv_int8) scale_columns(scores, rows, stride, k_scales + kt_at[s] / pairs + h * padded, keys);
-            for (int64_t r = 0; r < rows; r++) softmax_(scores + r * stride, pos0 + r / G + 1); /* keys it sees */
+            for (int64_t r = 0; r < rows; r++) inv_sums[r] = softmax_exp_(scores + r * stride, pos0 + r / G + 1);
             if (kv_int8) { /* the values' scales to their weights */
                 row_pointers((const char *)v_cache + h * row_bytes, tables + s * max_blocks, keys, block_size,
                              KVH * row_bytes, v_rows);
@@ -359,18 +374,11 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
                 scale_columns(scores, rows, stride, v_scales, keys);
             }
             for (int64_t r = 0; r < rows; r++) orows[r] = out + ((q_starts[s] + first + r / G) * H + h * G + r % G) * D;
-            if (vt && prefill_values_amx(scores, rows, stride, pos0 + 1, G,
-                                         vt + vt_at[s] + h * prefill_pair_words(ctx, D), D, orows, pbuf, acc))
-                continue;
-            for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                row_pointers((const char *)v_cache + h * row_bytes + d0 * (kv_int8 ? 1 : 2), tables + s * max_blocks,
-                             keys, block_size, KVH * row_bytes, v_rows);
-                for (int64_t i = 0; i < n; i++)
-                    for (int64_t g0 = 0; g0 < G; g0 += 4)
-                        weighted_heads(scores + (i * G + g0) * stride, pos0 + i + 1, stride, v_rows,
-                                       G - g0 < 4 ? G - g0 : 4, kv_int8,
-                                       out + ((q_starts[s] + first + i) * H + h * G + g0) * D + d0, D, NULL, 0);
-            }
+            const uint32_t *vts = vt + vt_at[s] + h * prefill_pair_words(ctx, D);
+            const int64_t width = prefill_pair_weights(scores, inv_sums, rows, amx ? (rows + 15) / 16 * 16 : rows,
+                                                       stride, pos0 + 1, G, pbuf);
+            if (!(amx && prefill_values_amx(pbuf, width, rows, pos0 + 1, G, vts, D, orows, acc)))
+                prefill_values_pairs(pbuf, width, rows, pos0 + 1, G, vts, D, orows);
         }
         free(scores);
     }
