@@ -181,28 +181,83 @@ static int64_t gather(const float *x, const float *w, int64_t n, float x_floor, 
     return count;
 }
 
+/* The candidates cand[0..n) whose bits >> shift & mask equal b moved to cand's start; how many. */
+static int64_t keep_bucket(float *cand, int64_t n, int shift, uint32_t mask, uint32_t b) {
+    int64_t i = 0, left = 0;
+#ifdef __AVX512F__
+    const __m512i vmask = _mm512_set1_epi32((int)mask), vb = _mm512_set1_epi32((int)b);
+    const __m128i vshift = _mm_cvtsi32_si128(shift);
+    for (; i + 16 <= n; i += 16) {
+        const __m512i bits = _mm512_loadu_si512(cand + i);
+        const __mmask16 k = _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_srl_epi32(bits, vshift), vmask), vb);
+        _mm512_mask_compressstoreu_epi32(cand + left, k, bits); /* left <= i: never ahead of the reads */
+        left += __builtin_popcount(k);
+    }
+#endif
+    for (; i < n; i++)
+        if (((f32_bits(cand[i]) >> shift) & mask) == b) cand[left++] = cand[i];
+    return left;
+}
+
+/* buckets[(bits of cand[i] >> shift) & mask] += cand[i] for i < n; buckets zeroed first (span of them). */
+static void bucket_sums(const float *cand, int64_t n, int shift, uint32_t mask, double *buckets, int64_t span) {
+    memset(buckets, 0, sizeof(double) * (size_t)span);
+    for (int64_t i = 0; i < n; i++) buckets[(f32_bits(cand[i]) >> shift) & mask] += cand[i];
+}
+
+/* bucket_sums where the candidates' buckets are among few (lo .. span - 1, at most FEW_BUCKETS of them; more
+ * go to bucket_sums): a masked vector sum per bucket. A flat row puts most neighbours in the same bucket, where
+ * bucket_sums' adds each wait for the one before through memory (2x the whole draw on a flat row). */
+#define FEW_BUCKETS 20
+static void few_bucket_sums(const float *cand, int64_t n, int shift, uint32_t mask, uint32_t lo, double *buckets,
+                            int64_t span) {
+    const int few = (int)(span - lo);
+    if (few > FEW_BUCKETS) {
+        bucket_sums(cand, n, shift, mask, buckets, span);
+        return;
+    }
+    memset(buckets, 0, sizeof(double) * (size_t)span);
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512d sums[FEW_BUCKETS];
+    for (int j = 0; j < few; j++) sums[j] = _mm512_setzero_pd();
+    const __m128i vshift = _mm_cvtsi32_si128(shift);
+    const __m512i vmask = _mm512_set1_epi32((int)mask);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(cand + i);
+        const __m512i at = _mm512_and_si512(_mm512_srl_epi32(_mm512_castps_si512(v), vshift), vmask);
+        const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+        const __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        for (int j = 0; j < few; j++) {
+            const __mmask16 k = _mm512_cmpeq_epi32_mask(at, _mm512_set1_epi32((int)lo + j));
+            sums[j] = _mm512_mask_add_pd(sums[j], (__mmask8)k, sums[j], low);
+            sums[j] = _mm512_mask_add_pd(sums[j], (__mmask8)(k >> 8), sums[j], high);
+        }
+    }
+    for (int j = 0; j < few; j++) buckets[lo + (uint32_t)j] = _mm512_reduce_add_pd(sums[j]);
+#endif
+    for (; i < n; i++) buckets[(f32_bits(cand[i]) >> shift) & mask] += cand[i];
+}
+
 /* top-p's floor: the largest weight v such that the weights of at least v among cand[0..n) (the positive
- * weights top-k keeps, or those of at least some floor whose sum alone reaches ``mass``) sum to at least
- * ``mass``. Its bits are found 12, 10, then 10 at a time (a non-negative float's bits order as its value):
- * at each level the candidates are summed into buckets by their next bits, the highest bucket at which the
- * mass from the top reaches ``mass`` gives those bits, and only that bucket's candidates stay for the next
- * level. Where rounding leaves the candidates' total short of ``mass``, the lowest bucket is taken: v is then
- * at most every candidate. cand is overwritten. */
-static float mass_floor(float *cand, int64_t n, double mass) {
-    static const int widths[3] = {12, 10, 10};
+ * weights top-k keeps, or those of at least some floor whose sum alone reaches ``mass``; all at least
+ * ``least``, at most 1) sum to at least ``mass``. Its bits are found 9 (the exponent: from least's to 1's,
+ * 127), 4, 7, then 12 at a time (a non-negative float's bits order as its value): at each level the
+ * candidates are summed into buckets by their next bits, the highest bucket at which the mass from the top
+ * reaches ``mass`` gives those bits, and only that bucket's candidates stay for the next level. Where
+ * rounding leaves the candidates' total short of ``mass``, the lowest bucket is taken: v is then at most
+ * every candidate. cand is overwritten. */
+static float mass_floor(float *cand, int64_t n, double mass, float least) {
+    static const int widths[4] = {9, 4, 7, 12};
     double buckets[1 << 12], above = 0.;
     uint32_t prefix = 0;
-    for (int level = 0, shift = 32; level < 3; level++) {
-        const uint32_t mask = (1u << widths[level]) - 1;
+    for (int level = 0, shift = 32; level < 4; level++) {
+        const uint32_t mask = (1u << widths[level]) - 1, top = level == 0 ? 127 : mask;
         shift -= widths[level];
-        memset(buckets, 0, sizeof(double) << widths[level]);
-        for (int64_t i = 0; i < n; i++) buckets[(f32_bits(cand[i]) >> shift) & mask] += cand[i];
-        uint32_t b = mask;
+        few_bucket_sums(cand, n, shift, mask, level == 0 ? f32_bits(least) >> 23 : 0, buckets, (int64_t)top + 1);
+        uint32_t b = top;
         for (; b > 0 && above + buckets[b] < mass; b--) above += buckets[b];
-        int64_t left = 0;
-        for (int64_t i = 0; i < n; i++)
-            if (((f32_bits(cand[i]) >> shift) & mask) == b) cand[left++] = cand[i];
-        n = left;
+        n = keep_bucket(cand, n, shift, mask, b);
         prefix = (prefix << widths[level]) | b;
     }
     float v;
@@ -222,7 +277,7 @@ static float top_p_floor(const float *x, const float *w, int64_t V, float x_floo
         double sum = 0.;
         for (int64_t i = 0; i < n; i++) sum += cand[i];
         if (sum >= mass || e == 24) {
-            const float v = mass_floor(cand, n, mass);
+            const float v = mass_floor(cand, n, mass, least);
             return v > least ? v : least;
         }
     }
