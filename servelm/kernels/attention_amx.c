@@ -128,8 +128,8 @@ int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, co
 #endif
 }
 
-int prefill_values_amx(const uint16_t *pbuf, int64_t width, int64_t rows, int64_t first_seen, int64_t G,
-                       const uint32_t *vts, int64_t D, uint16_t *const *orows, float *acc) {
+int prefill_values_amx(const uint16_t *pbuf, int64_t width, const float *inv_sums, int64_t rows, int64_t first_seen,
+                       int64_t G, const uint32_t *vts, int64_t D, uint16_t *const *orows, float *acc) {
 #ifdef KERNELS_AMX
     if (!enabled || D % 64 || !amx_granted()) return 0;
     const int64_t padded = (rows + 15) / 16 * 16;
@@ -161,13 +161,15 @@ int prefill_values_amx(const uint16_t *pbuf, int64_t width, int64_t rows, int64_
             for (int64_t r = r0; r < top; r++)
                 for (int i = 0; i < 4; i++)
                     _mm256_storeu_si256((__m256i *)(orows[r] + d0 + 16 * i),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + (r - r0) * 64 + 16 * i)));
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                            _mm512_loadu_ps(acc + (r - r0) * 64 + 16 * i), _mm512_set1_ps(inv_sums[r]))));
         }
     }
     _tile_release();
     return 1;
 #else
-    (void)pbuf, (void)width, (void)rows, (void)first_seen, (void)G, (void)vts, (void)D, (void)orows, (void)acc;
+    (void)pbuf, (void)width, (void)inv_sums, (void)rows, (void)first_seen, (void)G, (void)vts, (void)D, (void)orows,
+        (void)acc;
     return 0;
 #endif
 }

@@ -2,7 +2,8 @@
  * AVX512-BF16 CPUs (AMX CPUs multiply the same operands on tiles, attention_amx.c).
  *
  * Each (sequence, KV head)'s values are laid out once in pairs of keys (dim d of values t and t + 1 in one
- * 32-bit word) and each query row's softmaxed weights rounded to bfloat16 in pairs of keys (as flash
+ * 32-bit word) and each query row's softmax weights, exp(score - the row's largest) before their division by
+ * their sum (which scales the row's output instead), rounded to bfloat16 in pairs of keys (as flash
  * attention's are on GPUs), so that one vdpbf16ps multiplies 16 dims x 2 keys: twice the float32 FMA's rate,
  * and no widening of a value row for every query row that reads it, which the decode kernel's float32 loop
  * (weighted_rows) does. Prefill reads each value row for every one of its tokens' query heads, so the layout
@@ -11,6 +12,7 @@
 
 #include "attention.h"
 #include "kernels.h"
+#include "vexp.h"
 
 #ifdef ATTENTION_AVX512BF16
 /* Dims d .. d + 15 of a bfloat16 row as 32-bit words (0 without a row). */
@@ -37,22 +39,29 @@ void prefill_pair_values(const void **rows, int64_t ctx, int64_t D, int kv_int8,
 #endif
 }
 
-int64_t prefill_pair_weights(const float *p, const float *scales, int64_t rows, int64_t padded, int64_t stride,
-                             int64_t first_seen, int64_t G, uint16_t *pbuf) {
+int64_t prefill_pair_softmax(const float *p, const float *v_scales, int64_t rows, int64_t padded, int64_t stride,
+                             int64_t first_seen, int64_t G, uint16_t *pbuf, float *inv_sums) {
     const int64_t width = (first_seen + (rows - 1) / G + 31) / 32 * 32; /* the last row sees the most keys */
 #ifdef ATTENTION_AVX512BF16
     for (int64_t r = 0; r < padded; r++) {
         const int64_t seen = r < rows ? first_seen + r / G : 0;
-        const __m512 scale = _mm512_set1_ps(r < rows ? scales[r] : 0.f);
+        const __m512 m = _mm512_set1_ps(seen ? largest_(p + r * stride, seen) : 0.f);
+        __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < width; t += 32) {
-            const __m512 a = _mm512_maskz_loadu_ps(valid_keys(t, seen), p + r * stride + t);
-            const __m512 b = _mm512_maskz_loadu_ps(valid_keys(t + 16, seen), p + r * stride + t + 16);
-            _mm512_storeu_si512(pbuf + r * width + t,
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(b, scale), _mm512_mul_ps(a, scale)));
+            const __mmask16 ka = valid_keys(t, seen), kb = valid_keys(t + 16, seen);
+            __m512 a = _mm512_maskz_mov_ps(ka, softmax_weight16(_mm512_maskz_loadu_ps(ka, p + r * stride + t), m));
+            __m512 b = _mm512_maskz_mov_ps(kb, softmax_weight16(_mm512_maskz_loadu_ps(kb, p + r * stride + t + 16), m));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+            if (v_scales) {
+                a = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(ka, v_scales + t));
+                b = _mm512_mul_ps(b, _mm512_maskz_loadu_ps(kb, v_scales + t + 16));
+            }
+            _mm512_storeu_si512(pbuf + r * width + t, (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
+        if (r < rows) inv_sums[r] = 1.f / _mm512_reduce_add_ps(sum);
     }
 #else
-    (void)p, (void)scales, (void)padded, (void)stride, (void)pbuf;
+    (void)p, (void)v_scales, (void)padded, (void)stride, (void)pbuf, (void)inv_sums;
 #endif
     return width;
 }
@@ -61,10 +70,10 @@ int64_t prefill_pair_weights(const float *p, const float *scales, int64_t rows, 
 #define PAIR_ROWS 6 /* query rows whose 64 dims of sums stay in registers: 24 of the 32 */
 
 /* ROWS rows of weights (width bfloat16 apart at w) times `pairs` pairs of keys' 64 dims at v (D words apart),
- * stored at out[r] + d0 in bfloat16. */
+ * times the row's inv_sums[r], stored at out[r] + d0 in bfloat16. */
 static inline __attribute__((always_inline)) void pair_rows(const uint32_t *w, int64_t width, int ROWS,
                                                            const uint32_t *v, int64_t D, int64_t pairs,
-                                                           uint16_t *const *out, int64_t d0) {
+                                                           const float *inv_sums, uint16_t *const *out, int64_t d0) {
     __m512 acc[PAIR_ROWS][4];
     for (int r = 0; r < ROWS; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
@@ -78,12 +87,13 @@ static inline __attribute__((always_inline)) void pair_rows(const uint32_t *w, i
     }
     for (int r = 0; r < ROWS; r++)
         for (int i = 0; i < 4; i++)
-            _mm256_storeu_si256((__m256i *)(out[r] + d0 + 16 * i), (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
+            _mm256_storeu_si256((__m256i *)(out[r] + d0 + 16 * i),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][i], _mm512_set1_ps(inv_sums[r]))));
 }
 #endif
 
-void prefill_values_pairs(const uint16_t *pbuf, int64_t width, int64_t rows, int64_t first_seen, int64_t G,
-                          const uint32_t *vts, int64_t D, uint16_t *const *orows) {
+void prefill_values_pairs(const uint16_t *pbuf, int64_t width, const float *inv_sums, int64_t rows,
+                          int64_t first_seen, int64_t G, const uint32_t *vts, int64_t D, uint16_t *const *orows) {
 #ifdef ATTENTION_AVX512BF16
     for (int64_t r0 = 0; r0 < rows; r0 += PAIR_ROWS) {
         const int64_t n = rows - r0 < PAIR_ROWS ? rows - r0 : PAIR_ROWS;
@@ -91,14 +101,14 @@ void prefill_values_pairs(const uint16_t *pbuf, int64_t width, int64_t rows, int
         const uint32_t *w = (const uint32_t *)(pbuf + r0 * width);
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
             switch (n) {
-#define PAIR_CASE(c) case c: pair_rows(w, width, c, vts + d0, D, pairs, orows + r0, d0); break;
+#define PAIR_CASE(c) case c: pair_rows(w, width, c, vts + d0, D, pairs, inv_sums + r0, orows + r0, d0); break;
                 PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4) PAIR_CASE(5)
-                default: pair_rows(w, width, PAIR_ROWS, vts + d0, D, pairs, orows + r0, d0); break;
+                default: pair_rows(w, width, PAIR_ROWS, vts + d0, D, pairs, inv_sums + r0, orows + r0, d0); break;
 #undef PAIR_CASE
             }
         }
     }
 #else
-    (void)pbuf, (void)width, (void)rows, (void)first_seen, (void)G, (void)vts, (void)D, (void)orows;
+    (void)pbuf, (void)width, (void)inv_sums, (void)rows, (void)first_seen, (void)G, (void)vts, (void)D, (void)orows;
 #endif
 }

@@ -51,21 +51,23 @@ int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, co
  * prefill_pair_values: one (sequence, KV head)'s values (rows[t], t < ctx; int8 where kv_int8, widened in wide:
  * room for 2 D) in pairs of keys: vt[(t / 2) * D + d] = dim d of values t (low half) and t + 1, zero past ctx
  * (a stale slot's NaN would reach the sums even at weight 0), to a multiple of 32 keys: prefill_pair_words(ctx,
- * D) words. prefill_pair_weights: an item's rows of softmax weights (p[r * stride + t] * scales[r], row r
- * seeing the first first_seen + r / G keys) rounded to bfloat16 at pbuf, zero past the keys each row sees and in rows
- * rows .. padded; returns the row width (bfloat16 apart in pbuf): the last row's keys rounded up to 32.
- * prefill_values_pairs: orows[r] (D bfloat16, D a multiple of 64) = sum over the keys row r sees of its
- * bfloat16 weight times value t, from those two layouts (vdpbf16ps). */
+ * D) words. prefill_pair_softmax: an item's rows of softmax weights over its scores (p[r * stride + t], row r
+ * seeing the first first_seen + r / G keys), exp(p - the row's largest) times v_scales[t] where not NULL (an
+ * int8 cache's values' scales), rounded to bfloat16 at pbuf, zero past the keys each row sees and in rows
+ * rows .. padded; inv_sums[r] = 1 / the row's sum of exp (without the scales); returns the row width
+ * (bfloat16 apart in pbuf): the last row's keys rounded up to 32. prefill_values_pairs: orows[r] (D
+ * bfloat16, D a multiple of 64) = inv_sums[r] times the sum over the keys row r sees of its bfloat16 weight
+ * times value t, from those two layouts (vdpbf16ps). */
 int64_t prefill_pair_words(int64_t ctx, int64_t D);
 void prefill_pair_values(const void **rows, int64_t ctx, int64_t D, int kv_int8, uint16_t *wide, uint32_t *vt);
-int64_t prefill_pair_weights(const float *p, const float *scales, int64_t rows, int64_t padded, int64_t stride,
-                             int64_t first_seen, int64_t G, uint16_t *pbuf);
-void prefill_values_pairs(const uint16_t *pbuf, int64_t width, int64_t rows, int64_t first_seen, int64_t G,
-                          const uint32_t *vts, int64_t D, uint16_t *const *orows);
+int64_t prefill_pair_softmax(const float *p, const float *v_scales, int64_t rows, int64_t padded, int64_t stride,
+                             int64_t first_seen, int64_t G, uint16_t *pbuf, float *inv_sums);
+void prefill_values_pairs(const uint16_t *pbuf, int64_t width, const float *inv_sums, int64_t rows,
+                          int64_t first_seen, int64_t G, const uint32_t *vts, int64_t D, uint16_t *const *orows);
 /* prefill_values_pairs on AMX tiles (where decode_scores_use_amx allows, D a multiple of 64), the weights in
- * rows rounded up to 16 (prefill_pair_weights' padded); acc: 16 x 64 float32. 0 where it does not run. */
-int prefill_values_amx(const uint16_t *pbuf, int64_t width, int64_t rows, int64_t first_seen, int64_t G,
-                       const uint32_t *vts, int64_t D, uint16_t *const *orows, float *acc);
+ * rows rounded up to 16 (prefill_pair_softmax's padded); acc: 16 x 64 float32. 0 where it does not run. */
+int prefill_values_amx(const uint16_t *pbuf, int64_t width, const float *inv_sums, int64_t rows, int64_t first_seen,
+                       int64_t G, const uint32_t *vts, int64_t D, uint16_t *const *orows, float *acc);
 int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
                       int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale, float *scores);
 /* The same over an int8 cache (kv_int8.c), D a multiple of 64: the query heads rounded to int8 as the cache's

@@ -231,11 +231,12 @@ DEFINE_DECODE(paged_decode_f32, float, f32_identity, f32_identity, scores_none, 
  * to the layout vdpbf16ps multiplies against a broadcast pair of query dims:
  * kt[(c * D / 2 + p) * 16 + j] = dims 2p, 2p+1 of key 16c + j. Then a work
  * item is a tile of tokens (up to 24 query rows) x one KV head's query heads: its
- * scores are summed PREFILL_ROWS query rows at a time against each chunk of
- * 16 keys (one load of the keys serves them all), then softmaxed in float32
- * per row over the keys the row sees, rounded to bfloat16 and multiplied by
- * the values, laid out in pairs of keys beside the keys' transposition
- * (attention_pairs.c). On AMX CPUs both products run on tiles
+ * scores are summed PREFILL_ROWS query rows at a time against PREFILL_CHUNKS
+ * chunks of 16 keys (one load of a key vector serves them all), then each
+ * row's softmax weights over the keys it sees (exp(score - the row's
+ * largest), rounded to bfloat16) multiply the values, laid out in pairs of
+ * keys beside the keys' transposition, and the sums are divided by the
+ * weights' sum (attention_pairs.c). On AMX CPUs both products run on tiles
  * (attention_amx.c). An int8 cache (kv_int8, attention.h's rows)
  * has its keys transposed as bfloat16 integers, their scales applied to the
  * scores, and the values' scales to the weights. Returns 0 where it does not
@@ -366,19 +367,18 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache,
                                 stride / 16 - c < PREFILL_CHUNKS ? stride / 16 - c : PREFILL_CHUNKS, pairs, scale,
                                 scores + r0 * stride + c * 16, stride);
             if (kv_int8) scale_columns(scores, rows, stride, k_scales + kt_at[s] / pairs + h * padded, keys);
-            for (int64_t r = 0; r < rows; r++) inv_sums[r] = softmax_exp_(scores + r * stride, pos0 + r / G + 1);
-            if (kv_int8) { /* the values' scales to their weights */
+            if (kv_int8) { /* the values' scales, for their weights */
                 row_pointers((const char *)v_cache + h * row_bytes, tables + s * max_blocks, keys, block_size,
                              KVH * row_bytes, v_rows);
                 row_scales(v_rows, keys, D, v_scales);
-                scale_columns(scores, rows, stride, v_scales, keys);
             }
             for (int64_t r = 0; r < rows; r++) orows[r] = out + ((q_starts[s] + first + r / G) * H + h * G + r % G) * D;
             const uint32_t *vts = vt + vt_at[s] + h * prefill_pair_words(ctx, D);
-            const int64_t width = prefill_pair_weights(scores, inv_sums, rows, amx ? (rows + 15) / 16 * 16 : rows,
-                                                       stride, pos0 + 1, G, pbuf);
-            if (!(amx && prefill_values_amx(pbuf, width, rows, pos0 + 1, G, vts, D, orows, acc)))
-                prefill_values_pairs(pbuf, width, rows, pos0 + 1, G, vts, D, orows);
+            const int64_t width = prefill_pair_softmax(scores, kv_int8 ? v_scales : NULL, rows,
+                                                       amx ? (rows + 15) / 16 * 16 : rows, stride, pos0 + 1, G, pbuf,
+                                                       inv_sums);
+            if (!(amx && prefill_values_amx(pbuf, width, inv_sums, rows, pos0 + 1, G, vts, D, orows, acc)))
+                prefill_values_pairs(pbuf, width, inv_sums, rows, pos0 + 1, G, vts, D, orows);
         }
         free(scores);
     }

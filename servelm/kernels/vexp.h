@@ -46,47 +46,48 @@ static inline __m256i silu_mul16_bf16(__m512 g, __m512 u) {
 #endif
 #endif
 
-/* s[0..len) = exp(s[t] - max s), in place, in float32: softmax's weights before their division by their sum;
- * returns 1 / that sum. */
-static inline float softmax_exp_(float *s, int64_t len) {
 #ifdef __AVX512F__
-    /* 16 lanes at a time, the tail masked; exp16's argument floored at -200 (e^-200 is 0 in float32 and
-     * exp16(-inf) would be NaN). */
+/* The largest of s[0..len) (len >= 1), 16 lanes at a time, the tail masked. */
+static inline float largest_(const float *s, int64_t len) {
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     int64_t t = 0;
     for (; t + 16 <= len; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
     const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1);
     vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, s + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax)), floor = _mm512_set1_ps(-200.f);
+    return _mm512_reduce_max_ps(vmax);
+}
+
+/* exp(x - m) for 16 lanes, the argument floored at -200 (e^-200 is 0 in float32 and exp16(-inf) would be
+ * NaN): softmax's weight before its division by the sum. */
+static inline __m512 softmax_weight16(__m512 x, __m512 m) {
+    return exp16(_mm512_max_ps(_mm512_sub_ps(x, m), _mm512_set1_ps(-200.f)));
+}
+#endif
+
+/* s[0..len) = softmax(s[0..len)), in place, in float32. */
+static inline void softmax_(float *s, int64_t len) {
+#ifdef __AVX512F__
+    const __m512 m = _mm512_set1_ps(largest_(s, len));
+    const __mmask16 tail = (__mmask16)((1u << (len % 16)) - 1);
     __m512 vsum = _mm512_setzero_ps();
-    for (t = 0; t + 16 <= len; t += 16) {
-        const __m512 e = exp16(_mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), m), floor));
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) {
+        const __m512 e = softmax_weight16(_mm512_loadu_ps(s + t), m);
         _mm512_storeu_ps(s + t, e);
         vsum = _mm512_add_ps(vsum, e);
     }
-    const __m512 e = exp16(_mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m), floor));
+    const __m512 e = softmax_weight16(_mm512_maskz_loadu_ps(tail, s + t), m);
     _mm512_mask_storeu_ps(s + t, tail, e);
     vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
-    return 1.f / _mm512_reduce_add_ps(vsum);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    for (t = 0; t + 16 <= len; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+    _mm512_mask_storeu_ps(s + t, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + t), inv));
 #else
     float mx = s[0], sum = 0.f;
     for (int64_t t = 1; t < len; t++) mx = s[t] > mx ? s[t] : mx;
     _Pragma("omp simd reduction(+:sum)")
     for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - mx); sum += s[t]; }
-    return 1.f / sum;
-#endif
-}
-
-/* s[0..len) = softmax(s[0..len)), in place, in float32. */
-static inline void softmax_(float *s, int64_t len) {
-    const float inv = softmax_exp_(s, len);
-#ifdef __AVX512F__
-    const __m512 vinv = _mm512_set1_ps(inv);
-    int64_t t = 0;
-    for (; t + 16 <= len; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), vinv));
-    const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1);
-    _mm512_mask_storeu_ps(s + t, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + t), vinv));
-#else
+    const float inv = 1.f / sum;
     _Pragma("omp simd")
     for (int64_t t = 0; t < len; t++) s[t] *= inv;
 #endif
