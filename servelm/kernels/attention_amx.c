@@ -3,8 +3,9 @@
  *
  * Prefill: an item's query rows (copied into 16-row tiles) times its keys, which the prefill kernel has
  * already transposed into the tile unit's pair layout, 16 keys a tile; the sums go straight to the scores.
- * Then its softmaxed weights, rounded to bfloat16 in pairs of keys, times the values in pairs of keys (both laid
- * out by attention_pairs.c): 16 rows x 64 dims a pass, in four tiles of sums.
+ * Then its softmax weights (exp(score - the row's largest) in bfloat16) times the values, both laid out in
+ * pairs of keys by attention_pairs.c: 16 rows x 64 dims a pass, in four tiles of sums, each row's sums then
+ * divided by its weights' sum.
  *
  * Decode: for one sequence and one KV head, its G query heads' scores against the keys: a tile of 16 keys x 32 dims
  * (one 16-slot cache block's rows, KVH * D apart) times the query heads' same 32 dims in pairs (the tile unit's
