@@ -47,16 +47,21 @@ int64_t prefill_pair_softmax(const float *p, const float *v_scales, int64_t rows
         const int64_t seen = r < rows ? first_seen + r / G : 0;
         const __m512 m = _mm512_set1_ps(seen ? largest_(p + r * stride, seen) : 0.f);
         __m512 sum = _mm512_setzero_ps();
+        const __m512i hi_half = _mm512_set1_epi32((int)0xffff0000u);
         for (int64_t t = 0; t < width; t += 32) {
             const __mmask16 ka = valid_keys(t, seen), kb = valid_keys(t + 16, seen);
             __m512 a = _mm512_maskz_mov_ps(ka, softmax_weight16(_mm512_maskz_loadu_ps(ka, p + r * stride + t), m));
             __m512 b = _mm512_maskz_mov_ps(kb, softmax_weight16(_mm512_maskz_loadu_ps(kb, p + r * stride + t + 16), m));
-            sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+            const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* the weights the values will get */
+            sum = _mm512_add_ps(sum, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16)),
+                                                   _mm512_castsi512_ps(_mm512_and_si512(rounded, hi_half))));
             if (v_scales) {
                 a = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(ka, v_scales + t));
                 b = _mm512_mul_ps(b, _mm512_maskz_loadu_ps(kb, v_scales + t + 16));
+                _mm512_storeu_si512(pbuf + r * width + t, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+            } else {
+                _mm512_storeu_si512(pbuf + r * width + t, rounded);
             }
-            _mm512_storeu_si512(pbuf + r * width + t, (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
         if (r < rows) inv_sums[r] = 1.f / _mm512_reduce_add_ps(sum);
     }

@@ -54,7 +54,8 @@ int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, co
  * D) words. prefill_pair_softmax: an item's rows of softmax weights over its scores (p[r * stride + t], row r
  * seeing the first first_seen + r / G keys), exp(p - the row's largest) times v_scales[t] where not NULL (an
  * int8 cache's values' scales), rounded to bfloat16 at pbuf, zero past the keys each row sees and in rows
- * rows .. padded; inv_sums[r] = 1 / the row's sum of exp (without the scales); returns the row width
+ * rows .. padded; inv_sums[r] = 1 / the row's sum of exp rounded to bfloat16 (the weights the values get,
+ * without the scales: normalising by the unrounded sum put a bias into every row); returns the row width
  * (bfloat16 apart in pbuf): the last row's keys rounded up to 32. prefill_values_pairs: orows[r] (D
  * bfloat16, D a multiple of 64) = inv_sums[r] times the sum over the keys row r sees of its bfloat16 weight
  * times value t, from those two layouts (vdpbf16ps). */
