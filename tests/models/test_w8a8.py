@@ -208,28 +208,38 @@ def test_the_setting_flows_into_the_engine_config():
         EngineConfig(quantization="w4a8")
 
 
-# Measured on these 4 prompts: 41 of w8a8's 48 tokens match bfloat16's at the same position (the first
-# prompt forks after 5 tokens); over bench/quant_quality.py's 12 prompts x 48 tokens, ~30%: a 135M model's
-# greedy text forks at the first close call and rarely rejoins. Asserted: at least 60% here.
+# A 135M model's greedy text forks at the first close call and rarely rejoins (over bench/quant_quality.py's
+# 12 prompts x 48 tokens ~30% of w8a8's tokens match bfloat16's at the same position), so one near tie costs
+# a prompt all its later tokens: on these 4 prompts 41, then 38, then 27 of 48 as the attention kernels'
+# rounding moved (the last at a tie, "def fibonacci(n):"'s second token, where e0f18b0's w8a8 gave the two
+# candidates the same logprob). Asserted instead: w8a8's next token after each of bfloat16's prefixes
+# (teacher-forced, prompt logprobs) is bfloat16's at 80% of the 48 positions (measured: 45 at e0f18b0, 43
+# after the prefill attention's pair layout); a broken int8 path falls far below.
 @pytest.mark.model
 def test_engine_runs_w8a8_close_to_bfloat16():
     from servelm import LLM, SamplingParams
 
     prompts = ["The capital of France is", "1, 2, 3, 4, 5,", "def fibonacci(n):", "Water boils at a temperature of"]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outputs = {}
-    for mode in ("none", "w8a8"):
-        llm = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20, quantization=mode)
-        if mode == "w8a8":
-            model = llm.engine.runner.model
-            assert isinstance(model.model.layers[0].mlp.down_proj, W8A8Linear)
-            assert isinstance(model.lm_head, W8A8Linear)
-        outputs[mode] = [o.outputs[0] for o in llm.generate(prompts, greedy)]
+    bf16 = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20)
+    reference = bf16.generate(prompts, greedy)
+    del bf16
+    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20, quantization="w8a8")
+    model = llm.engine.runner.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, W8A8Linear)
+    assert isinstance(model.lm_head, W8A8Linear)
+    outputs = [o.outputs[0] for o in llm.generate(prompts, greedy)]
     # Well-determined continuations survive int8 activations.
-    assert outputs["w8a8"][0].text.strip().startswith("Paris")
-    assert outputs["w8a8"][1].text.strip().startswith("6, 7")
-    same = sum(a == b for x, y in zip(outputs["none"], outputs["w8a8"]) for a, b in zip(x.token_ids, y.token_ids))
-    assert same >= 0.6 * 12 * len(prompts)
+    assert outputs[0].text.strip().startswith("Paris")
+    assert outputs[1].text.strip().startswith("6, 7")
+    texts = [o.prompt_token_ids + list(o.outputs[0].token_ids) for o in reference]
+    scored = llm.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    same = sum(
+        out.prompt_logprobs[pos].top[0].token_id == text[pos]
+        for out, text, ref in zip(scored, texts, reference)
+        for pos in range(len(ref.prompt_token_ids), len(text))
+    )
+    assert same >= 0.8 * 12 * len(prompts)
 
 
 @pytest.mark.model
