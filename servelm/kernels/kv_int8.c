@@ -2,11 +2,10 @@
  * decoding step, which at a few dozen sequences reads about as much K/V as weights.
  *
  * Each row (one token's one KV head, attention.h) is rounded on its own: scale = max |x| / 127, each value
- * to the nearest multiple of it. Decoding's scores come from AMX-INT8 tiles where the CPU has them
- * (attention_amx.c, the keys read in place); elsewhere an item's keys are widened to bfloat16 (the integers
- * exactly) into a small staging cache laid out as a bfloat16 cache of 16-token blocks, whose scores
- * paged_attention.c's kernel computes, and the keys' scales then multiply the scores. The values' scales
- * multiply the weights. Prefill reads the int8 cache in paged_attention.c's own kernel. Built at first use
+ * to the nearest multiple of it. Decoding rounds each query head to int8 the same way and sums its products
+ * with the keys in int32, read in place: on AMX-INT8 tiles where the CPU has them (attention_amx.c),
+ * elsewhere by AVX512-VNNI's vpdpbusd over 16 keys transposed in registers; the keys' and the query heads'
+ * scales then multiply the sums. The values' scales multiply the weights. Prefill reads the int8 cache in paged_attention.c's own kernel. Built at first use
  * by servelm/kernels. */
 #include <math.h>
 #include <stdint.h>
@@ -50,8 +49,14 @@ void write_kv_int8(int8_t *k_cache, int8_t *v_cache, const void *key, const void
         }
 }
 
+/* Decoding over an int8 cache needs AVX512-BF16 (the values' sums, bfloat16 output) and AVX512-VNNI (the
+ * scores): every CPU with the first has the second. */
+#if defined(ATTENTION_AVX512BF16) && defined(__AVX512VNNI__)
+#define KV_INT8_DECODE 1
+#endif
+
 int kv_int8_decodes(int64_t D) {
-#ifdef ATTENTION_AVX512BF16
+#ifdef KV_INT8_DECODE
     return D % 64 == 0;
 #else
     (void)D;
@@ -59,7 +64,102 @@ int kv_int8_decodes(int64_t D) {
 #endif
 }
 
-#ifdef ATTENTION_AVX512BF16
+#ifdef KV_INT8_DECODE
+/* The loops below run a constant number of times: unrolled, their vectors stay in registers. */
+#define UNROLL _Pragma("GCC unroll 16")
+
+/* r[p] = dword p of each of the 16 vectors (lane j of r[p]: dword p of vector j), in place: a 16 x 16 transpose
+ * of 32-bit words, 64 shuffles. */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    UNROLL for (int i = 0; i < 8; i++) { /* per 128-bit lane: dwords of vectors 2i, 2i+1 interleaved */
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    UNROLL for (int i = 0; i < 4; i++) { /* r[4i + k], lane L: dword 4L + k of vectors 4i .. 4i + 3 */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    UNROLL for (int k = 0; k < 4; k++) { /* lane L of r[k], r[4 + k], r[8 + k], r[12 + k] into vector 4L + k */
+        const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD);
+        const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88), d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
+        t[k] = _mm512_shuffle_i32x4(a, c, 0x88), t[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+        t[8 + k] = _mm512_shuffle_i32x4(a, c, 0xDD), t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
+    }
+    UNROLL for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* The int32 sums q_r . k_j of ROWS query heads (int8, D / 4 words each at qw, row r at qw + r * D / 4) and the
+ * 16 keys at keys[j] (int8 rows of D, a multiple of 64), by vpdpbusd: each 64-dim chunk of the 16 keys,
+ * flipped to unsigned (k + 128), transposed so that vector p holds dims 4p .. 4p + 3 of every key, times each
+ * row's 4 dims broadcast; the flip adds 128 * sum q_r, which the caller takes off. */
+static inline __attribute__((always_inline)) void key_sums(const uint32_t *qw, const int8_t *const *keys, int64_t D,
+                                                          int ROWS, __m512i *sums) {
+    __m512i acc[4][2];
+    UNROLL for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < D / 64; c++) {
+        __m512i k[16];
+        UNROLL for (int j = 0; j < 16; j++)
+            k[j] = _mm512_xor_si512(_mm512_loadu_si512(keys[j] + 64 * c), _mm512_set1_epi8((char)0x80));
+        transpose16(k);
+        UNROLL for (int p = 0; p < 16; p++) /* two chains a row: the adds' latency, not their rate, bounds one */
+            UNROLL for (int r = 0; r < ROWS; r++)
+                acc[r][p & 1] = _mm512_dpbusd_epi32(acc[r][p & 1], k[p], _mm512_set1_epi32((int)qw[r * D / 4 + 16 * c + p]));
+    }
+    UNROLL for (int r = 0; r < ROWS; r++) sums[r] = _mm512_add_epi32(acc[r][0], acc[r][1]);
+}
+
+/* scores[r * len + t] = scale * q_r . k_t for an item's rows query heads (bfloat16 at q, G per KV head)
+ * against its int8 keys (KV heads from h0): each query head rounded to int8 as a cache row is (its own scale),
+ * int8 products summed exactly, then the two scales. keys: room for len pointers; the lines of `ahead` are
+ * prefetched meanwhile. */
+static void decode_scores_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const int8_t *k_cache,
+                               int64_t KVH, int64_t h0, const int64_t *table, int64_t block_size, int64_t len,
+                               float scale, float *scores, const void **keys, struct prefetch_stream *ahead) {
+    const int64_t row = kv_row_bytes(D, 1), heads = rows / G;
+    row_pointers(k_cache + h0 * row, table, len, block_size, KVH * row, keys);
+    prefetch_rows(keys, len, heads * row);
+    const int64_t per_chunk = stream_lines_per(ahead, heads * ((len + 15) / 16));
+    int8_t qi[G * D] __attribute__((aligned(64))); /* a KV head's query heads in int8 (on the stack: a malloc per */
+    float q_scales[G], k_scale[16];                  /* item cost more than short items themselves) */
+    int32_t flips[G];
+    for (int64_t hh = 0; hh < heads; hh++) {
+        for (int64_t r = 0; r < G; r++) {
+            q_scales[r] = scale * round_row_int8(q + (hh * G + r) * D, D, qi + r * D);
+            int32_t sum = 0;
+            for (int64_t d = 0; d < D; d++) sum += qi[r * D + d];
+            flips[r] = 128 * sum;
+        }
+        for (int64_t t0 = 0; t0 < len; t0 += 16) {
+            stream_prefetch(ahead, per_chunk);
+            const int64_t n = len - t0 < 16 ? len - t0 : 16;
+            const int8_t *at[16]; /* past len, the chunk's first key again: its sums are never stored */
+            for (int j = 0; j < 16; j++) {
+                at[j] = (const int8_t *)keys[t0 + (j < n ? j : 0)] + hh * row;
+                k_scale[j] = int8_row_scale(at[j], D);
+            }
+            const __m512 k_scales = _mm512_loadu_ps(k_scale);
+            for (int64_t r0 = 0; r0 < G; r0 += 4) {
+                __m512i sums[4];
+                const uint32_t *qw = (const uint32_t *)(qi + r0 * D);
+                switch (G - r0) {
+                    case 1: key_sums(qw, at, D, 1, sums); break;
+                    case 2: key_sums(qw, at, D, 2, sums); break;
+                    case 3: key_sums(qw, at, D, 3, sums); break;
+                    default: key_sums(qw, at, D, 4, sums); break;
+                }
+                for (int64_t r = r0; r < G && r < r0 + 4; r++) {
+                    const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r - r0], _mm512_set1_epi32(flips[r])));
+                    _mm512_mask_storeu_ps(scores + (hh * G + r) * len + t0, valid_keys(t0, len),
+                                          _mm512_mul_ps(s, _mm512_mul_ps(k_scales, _mm512_set1_ps(q_scales[r]))));
+                }
+            }
+        }
+    }
+}
+
 /* Work items as paged_decode_bf16's: one sequence and a range of its KV heads. */
 int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
                       const int64_t *tables, int64_t max_blocks, const int64_t *lens, uint16_t *out, int64_t B,
@@ -67,50 +167,30 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
     if (!kv_int8_decodes(D)) return 0;
     const int64_t G = H / KVH, split = B >= nthreads ? 1 : KVH, heads = KVH / split, rows = heads * G;
     const int64_t row = kv_row_bytes(D, 1);
-    int64_t longest = 16;
+    int64_t longest = 1;
     for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
-    longest = (longest + 15) / 16 * 16; /* the staged keys: whole 16-token blocks */
     const int64_t items = B * split;
     int64_t claimed = 0; /* items handed out: a thread claims its next one a step ahead */
     _Pragma("omp parallel num_threads(nthreads)") {
-        /* one workspace per thread: scores [rows, longest]; the keys' scales [heads, longest] (then the
-         * values'); the staged keys [longest, heads, D] bfloat16 and their blocks' table (0, 1, 2, ...); row
-         * pointers */
-        float *scores = malloc(sizeof(float) * (size_t)((rows + heads) * longest) +
-                               sizeof(uint16_t) * (size_t)(longest * heads * D) +
-                               sizeof(int64_t) * (size_t)(longest / 16) + sizeof(void *) * (size_t)longest);
-        float *k_scales = scores + rows * longest;
-        uint16_t *staged = (uint16_t *)(k_scales + heads * longest);
-        int64_t *blocks = (int64_t *)(staged + longest * heads * D);
-        const void **row_at = (const void **)(blocks + longest / 16);
-        for (int64_t i = 0; i < longest / 16; i++) blocks[i] = i;
+        /* one workspace per thread: scores [rows, longest], the values' scales [longest], row pointers */
+        float *scores = malloc(sizeof(float) * (size_t)((rows + 1) * longest) + sizeof(void *) * (size_t)longest);
+        float *v_scales = scores + rows * longest;
+        const void **row_at = (const void **)(v_scales + longest);
         int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
         while (next < items) {
             const int64_t item = next, b = item / split, h0 = (item % split) * heads, len = lens[b];
             const int64_t *table = tables + b * max_blocks;
             const uint16_t *qb = q + b * q_stride + h0 * G * D;
             next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-            /* As paged_decode_bf16: the values come in while the keys are staged, the next item's keys while
-             * the values are summed. */
+            /* As paged_decode_bf16: the values come in while the scores are summed, the next item's keys while
+             * the values are. */
             struct prefetch_stream values = item_stream(v_cache, item, items, split, heads * row, KVH * row, tables,
                                                         max_blocks, lens, block_size),
                                    keys = item_stream(k_cache, next, items, split, heads * row, KVH * row, tables,
                                                       max_blocks, lens, block_size);
-            if (!decode_scores_amx_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores)) {
-                row_pointers(k_cache + h0 * row, table, len, block_size, KVH * row, row_at);
-                prefetch_rows(row_at, len, heads * row);
-                const int64_t per_key = stream_lines_per(&values, len);
-                for (int64_t t = 0; t < len; t++) {
-                    stream_prefetch(&values, per_key);
-                    for (int64_t hh = 0; hh < heads; hh++) {
-                        const int8_t *key = (const int8_t *)row_at[t] + hh * row;
-                        int8_to_bf16(key, staged + (t * heads + hh) * D, D);
-                        k_scales[hh * len + t] = int8_row_scale(key, D);
-                    }
-                }
-                decode_scores_bf16(qb, rows, G, D, staged, heads, 0, blocks, 16, len, scale, scores, row_at, NULL);
-                for (int64_t hh = 0; hh < heads; hh++) scale_columns(scores + hh * G * len, G, len, k_scales + hh * len, len);
-            }
+            if (!decode_scores_amx_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores))
+                decode_scores_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores, row_at,
+                                   &values);
             for (int64_t r = 0; r < rows; r++) softmax_(scores + r * len, len);
             const int64_t per_row = stream_lines_per(&keys, heads * (D / 64) * ((G + 3) / 4) * len);
             for (int64_t hh = 0; hh < heads; hh++)
@@ -118,8 +198,8 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
                     row_pointers(v_cache + (h0 + hh) * row + d0, table, len, block_size, KVH * row, row_at);
                     prefetch_rows(row_at, len, 64);
                     if (d0 == 0) { /* the values' scales to their weights, once */
-                        row_scales(row_at, len, D, k_scales);
-                        scale_columns(scores + hh * G * len, G, len, k_scales, len);
+                        row_scales(row_at, len, D, v_scales);
+                        scale_columns(scores + hh * G * len, G, len, v_scales, len);
                     }
                     for (int64_t r0 = 0; r0 < G; r0 += 4)
                         weighted_heads(scores + (hh * G + r0) * len, len, len, row_at, G - r0 < 4 ? G - r0 : 4, 1,
