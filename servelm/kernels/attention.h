@@ -3,8 +3,9 @@
  *
  * A row is one token's one KV head in the cache. In a bfloat16 cache it is D bfloat16; in an int8 cache
  * (--kv-cache-dtype int8) D int8 values and then their float32 scale, D + 4 bytes: value d is
- * row[d] * scale. Integers of int8's range are exact in bfloat16, so the kernels multiply the int8 values as
- * bfloat16 and apply the scales to the sums: a key's scale to its scores, a value's to its weights. */
+ * row[d] * scale. The kernels multiply the int8 values as integers (decoding, kv_int8.c) or as bfloat16, in
+ * which integers of int8's range are exact (prefill), and apply the scales to the sums: a key's scale to its
+ * scores, a value's to its weights. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -117,20 +118,18 @@ static inline void int8_to_bf16(const int8_t *src, uint16_t *dst, int64_t D) {
 }
 
 /* acc (ROWS query heads x 64 dims, in registers) = sum over t < len of p[r * p_stride + t] * v_t, for the 64
- * dims at v_rows[t] (bfloat16, or int8 where INT8: the weights then carry the rows' scales); row r is stored
- * at out + r * out_stride. */
+ * bfloat16 dims at v_rows[t]; row r is stored at out + r * out_stride. */
 static inline __attribute__((always_inline)) void weighted_rows(const float *p, int64_t len, int64_t p_stride,
-                                                               const void **v_rows, int ROWS, int INT8,
-                                                               uint16_t *out, int64_t out_stride,
-                                                               struct prefetch_stream *ahead, int64_t per_row) {
+                                                               const void **v_rows, int ROWS, uint16_t *out,
+                                                               int64_t out_stride, struct prefetch_stream *ahead,
+                                                               int64_t per_row) {
     __m512 acc[4][4];
     for (int r = 0; r < ROWS; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
         stream_prefetch(ahead, per_row);
         __m512 v[4];
-        for (int i = 0; i < 4; i++)
-            v[i] = INT8 ? widen16_int8((const int8_t *)v_rows[t] + 16 * i) : widen16((const uint16_t *)v_rows[t] + 16 * i);
+        for (int i = 0; i < 4; i++) v[i] = widen16((const uint16_t *)v_rows[t] + 16 * i);
         for (int r = 0; r < ROWS; r++) {
             const __m512 w = _mm512_set1_ps(p[r * p_stride + t]);
             for (int i = 0; i < 4; i++) acc[r][i] = _mm512_fmadd_ps(w, v[i], acc[r][i]);
@@ -144,19 +143,13 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *p, 
 /* weighted_rows for a run-time count of rows (1..4): query heads of one token, D apart; per_row lines of
  * `ahead` (or NULL) prefetched a V row. */
 static inline void weighted_heads(const float *p, int64_t len, int64_t p_stride, const void **v_rows, int64_t rows,
-                                  int int8, uint16_t *out, int64_t D, struct prefetch_stream *ahead,
-                                  int64_t per_row) {
-#define WEIGHTED_CASE(n)                                                                           \
-    if (int8) weighted_rows(p, len, p_stride, v_rows, n, 1, out, D, ahead, per_row);               \
-    else weighted_rows(p, len, p_stride, v_rows, n, 0, out, D, ahead, per_row);                    \
-    break;
+                                  uint16_t *out, int64_t D, struct prefetch_stream *ahead, int64_t per_row) {
     switch (rows) {
-        case 1: WEIGHTED_CASE(1)
-        case 2: WEIGHTED_CASE(2)
-        case 3: WEIGHTED_CASE(3)
-        default: WEIGHTED_CASE(4)
+        case 1: weighted_rows(p, len, p_stride, v_rows, 1, out, D, ahead, per_row); break;
+        case 2: weighted_rows(p, len, p_stride, v_rows, 2, out, D, ahead, per_row); break;
+        case 3: weighted_rows(p, len, p_stride, v_rows, 3, out, D, ahead, per_row); break;
+        default: weighted_rows(p, len, p_stride, v_rows, 4, out, D, ahead, per_row); break;
     }
-#undef WEIGHTED_CASE
 }
 
 /* scales[t] = the scale of the int8 row at rows[t] (D values), for t < len. */

@@ -160,6 +160,97 @@ static void decode_scores_int8(const uint16_t *q, int64_t rows, int64_t G, int64
     }
 }
 
+#define FLUSH_PAIRS 256 /* pairs of keys an int32 sum of vpdpwssd takes: 256 * 2 * 32767 * 127 < 2^31 */
+
+/* tot[r][i] += the int32 sums over pairs of keys [p0, p1) of ROWS rows of 15-bit weights (each pair's two as
+ * one 32-bit word, row r's at w + r * w_stride) times the 64 int8 values at v_rows[t] + d0, by vpdpwssd: a pair
+ * of value rows widened to int16 and interleaved, so that each 32-bit lane holds one dim of both keys. Lane i
+ * of vector k holds dim (k / 2) * 32 + (i / 4) * 8 + (k % 2) * 4 + i % 4 (value_order puts them in order). */
+static inline __attribute__((always_inline)) void value_sums(const uint32_t *w, int64_t w_stride, const void **v_rows,
+                                                            int64_t d0, int64_t len, int64_t p0, int64_t p1,
+                                                            int ROWS, __m512 (*tot)[4],
+                                                            struct prefetch_stream *ahead, int64_t per_pair) {
+    __m512i acc[4][4];
+    UNROLL for (int r = 0; r < ROWS; r++) UNROLL for (int k = 0; k < 4; k++) acc[r][k] = _mm512_setzero_si512();
+    for (int64_t p = p0; p < p1; p++) {
+        stream_prefetch(ahead, per_pair);
+        const int8_t *a = (const int8_t *)v_rows[2 * p] + d0; /* past len, the pair's first again: weight 0 */
+        const int8_t *b = (const int8_t *)v_rows[2 * p + 1 < len ? 2 * p + 1 : 2 * p] + d0;
+        const __m512i a0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)a));
+        const __m512i a1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(a + 32)));
+        const __m512i b0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)b));
+        const __m512i b1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(b + 32)));
+        const __m512i v[4] = {_mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0),
+                              _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1)};
+        UNROLL for (int r = 0; r < ROWS; r++) {
+            const __m512i wv = _mm512_set1_epi32((int)w[r * w_stride + p]);
+            UNROLL for (int k = 0; k < 4; k++) acc[r][k] = _mm512_dpwssd_epi32(acc[r][k], v[k], wv);
+        }
+    }
+    UNROLL for (int r = 0; r < ROWS; r++)
+        UNROLL for (int k = 0; k < 4; k++) tot[r][k] = _mm512_add_ps(tot[r][k], _mm512_cvtepi32_ps(acc[r][k]));
+}
+
+/* value_sums' four vectors of one row times scale, in the dims' order, rounded to bfloat16 at out (64 dims). */
+static inline void value_order(const __m512 tot[4], float scale, uint16_t *out) {
+    const __m512i lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int half = 0; half < 2; half++) { /* dims 32 * half .. + 31: vectors 2 * half and 2 * half + 1 */
+        const __m512 x = tot[2 * half], y = tot[2 * half + 1];
+        const __m512 first = _mm512_mul_ps(_mm512_permutex2var_ps(x, lo, y), s);
+        const __m512 second = _mm512_mul_ps(_mm512_permutex2var_ps(x, hi, y), s);
+        _mm512_storeu_si512(out + 32 * half, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+    }
+}
+
+/* out[r] (G query heads, D apart) = sum over t < len of p[r * len + t] * v_t, over the int8 values of one KV
+ * head at v_rows[t] (D values, then their scale): each row's weights times the values' scales, rounded to
+ * 15 bits of their largest (w: room for G * (len + 1) int16), then summed by value_sums. per_pair lines of
+ * `ahead` are prefetched a pair of keys. */
+static void int8_values(const float *p, int64_t len, int64_t G, int64_t D, const void **v_rows, float *v_scales,
+                        int16_t *w, uint16_t *out, struct prefetch_stream *ahead, int64_t per_pair) {
+    const int64_t pairs = (len + 1) / 2, w_stride = 2 * pairs;
+    float unit[G]; /* a row's weight 1 */
+    row_scales(v_rows, len, D, v_scales);
+    for (int64_t r = 0; r < G; r++) {
+        const float *pr = p + r * len;
+        int16_t *wr = w + r * w_stride;
+        __m512 top = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 m = valid_keys(t, len);
+            top = _mm512_max_ps(top, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pr + t), _mm512_maskz_loadu_ps(m, v_scales + t)));
+        }
+        const float most = _mm512_reduce_max_ps(top);
+        const __m512 to_int = _mm512_set1_ps(most > 0.f ? 32767.f / most : 0.f);
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 m = valid_keys(t, len);
+            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pr + t), _mm512_maskz_loadu_ps(m, v_scales + t));
+            _mm256_mask_storeu_epi16(wr + t, m, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x, to_int))));
+        }
+        if (len % 2) wr[len] = 0; /* the last pair's missing key */
+        unit[r] = most / 32767.f;
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 64)
+        for (int64_t r0 = 0; r0 < G; r0 += 4) {
+            const int rows = G - r0 < 4 ? (int)(G - r0) : 4;
+            const uint32_t *wr = (const uint32_t *)(w + r0 * w_stride);
+            __m512 tot[4][4];
+            for (int r = 0; r < rows; r++)
+                for (int k = 0; k < 4; k++) tot[r][k] = _mm512_setzero_ps();
+            for (int64_t p0 = 0; p0 < pairs; p0 += FLUSH_PAIRS) {
+                const int64_t p1 = pairs - p0 < FLUSH_PAIRS ? pairs : p0 + FLUSH_PAIRS;
+                switch (rows) {
+                    case 1: value_sums(wr, pairs, v_rows, d0, len, p0, p1, 1, tot, ahead, per_pair); break;
+                    case 2: value_sums(wr, pairs, v_rows, d0, len, p0, p1, 2, tot, ahead, per_pair); break;
+                    case 3: value_sums(wr, pairs, v_rows, d0, len, p0, p1, 3, tot, ahead, per_pair); break;
+                    default: value_sums(wr, pairs, v_rows, d0, len, p0, p1, 4, tot, ahead, per_pair); break;
+                }
+            }
+            for (int r = 0; r < rows; r++) value_order(tot[r], unit[r0 + r], out + (r0 + r) * D + d0);
+        }
+}
+
 /* Work items as paged_decode_bf16's: one sequence and a range of its KV heads. */
 int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
                       const int64_t *tables, int64_t max_blocks, const int64_t *lens, uint16_t *out, int64_t B,
@@ -172,10 +263,13 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
     const int64_t items = B * split;
     int64_t claimed = 0; /* items handed out: a thread claims its next one a step ahead */
     _Pragma("omp parallel num_threads(nthreads)") {
-        /* one workspace per thread: scores [rows, longest], the values' scales [longest], row pointers */
-        float *scores = malloc(sizeof(float) * (size_t)((rows + 1) * longest) + sizeof(void *) * (size_t)longest);
+        /* one workspace per thread: scores [rows, longest], the values' scales [longest], row pointers, a KV
+         * head's weights [G, longest + 1] */
+        float *scores = malloc(sizeof(float) * (size_t)((rows + 1) * longest) + sizeof(void *) * (size_t)longest +
+                               sizeof(int16_t) * (size_t)(G * (longest + 1)));
         float *v_scales = scores + rows * longest;
         const void **row_at = (const void **)(v_scales + longest);
+        int16_t *weights = (int16_t *)(row_at + longest);
         int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
         while (next < items) {
             const int64_t item = next, b = item / split, h0 = (item % split) * heads, len = lens[b];
@@ -192,19 +286,13 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
                 decode_scores_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores, row_at,
                                    &values);
             for (int64_t r = 0; r < rows; r++) softmax_(scores + r * len, len);
-            const int64_t per_row = stream_lines_per(&keys, heads * (D / 64) * ((G + 3) / 4) * len);
-            for (int64_t hh = 0; hh < heads; hh++)
-                for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                    row_pointers(v_cache + (h0 + hh) * row + d0, table, len, block_size, KVH * row, row_at);
-                    prefetch_rows(row_at, len, 64);
-                    if (d0 == 0) { /* the values' scales to their weights, once */
-                        row_scales(row_at, len, D, v_scales);
-                        scale_columns(scores + hh * G * len, G, len, v_scales, len);
-                    }
-                    for (int64_t r0 = 0; r0 < G; r0 += 4)
-                        weighted_heads(scores + (hh * G + r0) * len, len, len, row_at, G - r0 < 4 ? G - r0 : 4, 1,
-                                       out + (b * H + (h0 + hh) * G + r0) * D + d0, D, &keys, per_row);
-                }
+            const int64_t per_pair = stream_lines_per(&keys, heads * (D / 64) * ((G + 3) / 4) * ((len + 1) / 2));
+            for (int64_t hh = 0; hh < heads; hh++) {
+                row_pointers(v_cache + (h0 + hh) * row, table, len, block_size, KVH * row, row_at);
+                prefetch_rows(row_at, len, row);
+                int8_values(scores + hh * G * len, len, G, D, row_at, v_scales, weights,
+                            out + (b * H + (h0 + hh) * G) * D, &keys, per_pair);
+            }
         }
         free(scores);
     }

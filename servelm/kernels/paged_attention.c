@@ -111,7 +111,7 @@ static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const
             for (int64_t r0 = 0; r0 < G; r0 += 4) { /* up to 4 query heads x 64 dims: 16 accumulators */
                 const float *pr = p + (h * G + r0) * len;
                 uint16_t *o = out + (h * G + r0) * D + d0;
-                weighted_heads(pr, len, len, v_rows, G - r0 < 4 ? G - r0 : 4, 0, o, D, ahead, per_row);
+                weighted_heads(pr, len, len, v_rows, G - r0 < 4 ? G - r0 : 4, o, D, ahead, per_row);
             }
         }
     return 1;

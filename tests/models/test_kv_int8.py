@@ -107,6 +107,28 @@ def test_native_decode_reads_the_int8_cache_in_place(native_kernels, num_heads, 
     torch.testing.assert_close(alone.double(), expected[2:3], atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("length", [1, 511, 512, 1025, 2047])
+def test_native_decode_sums_long_contexts_of_extreme_values_exactly_enough(native_kernels, length):
+    """Every value at the int8 extreme (127, or -127) over contexts past the kernel's int32 sums' flush
+    (512 keys): a query that weighs every key alike (keys all zero) averages them (all 127 on KV head 0, the
+    sums' largest), and one key with a large score takes nearly all the weight."""
+    gen = torch.Generator().manual_seed(5)
+    blocks = -(-length // 16)
+    values = torch.where(torch.rand(2, blocks, 16, 2, 64, generator=gen) < 0.5, -1.0, 1.0)
+    values[1, ..., 0, :] = 1.0  # KV head 0's values all alike: their sums grow as far as they can
+    values[0] = 0.0  # keys
+    values[0, 0, 3, :, 0] = 1.0  # key 3's first dim: a large score for a query along it
+    cache = quantize_rows(values)
+    tables, lens = torch.randperm(blocks, generator=gen)[None], torch.tensor([length])
+    query = torch.zeros(1, 6, 64, dtype=BF16)
+    query[0, 3:, 0] = 40.0  # query heads 3..5 (KV head 1) pick key 3 where it is among the keys
+    got = native_kernels.decode_attention(query, cache, tables, lens, 1.0)
+    if got is None:
+        pytest.skip("this CPU has no AVX512-BF16: the int8 cache is read through PyTorch")
+    expected = reference_decode_attention(query, dequantize_rows(cache, torch.float64), tables, lens, 1.0)
+    torch.testing.assert_close(got.double(), expected, atol=2e-3, rtol=1e-2)
+
+
 def test_the_ops_check_an_int8_cache(native_kernels):
     cache = torch.zeros(2, 4, 16, 2, 68, dtype=torch.int8)
     tables, lens = torch.tensor([[0, 1]]), torch.tensor([20])
