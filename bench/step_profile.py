@@ -9,7 +9,7 @@ parts: the model's forward, the LM head, the sampler, and the rest of the runner
 grouped as prefill-only, mixed (a prefill chunk beside decodes) and decode-only, each group with its FLOPs
 (bench/model_cost.py's conventions: the matmuls, the LM head, attention's two products) and rate.
 
-Then decode attention alone: servelm's native kernel for a full batch over every layer's own cache (so
+Then decode attention alone: servelm's native kernel for a full batch over every layer's own cache (of --kv-cache-dtype; so
 that K and V come from memory, as in a step) at the decode steps' mean context, each sequence's blocks side
 by side. Last, a ceiling: the level's time if every FLOP but decode attention's ran at the peak, plus, for
 every decode step, the attention, sampling and rest as measured; the fraction of the peak the level would
@@ -17,7 +17,7 @@ reach with the matmuls at the peak and nothing else faster. The forward's other 
 writes, the threads' waits) counts as free there, so the ceiling is a generous one.
 
     .venv/bin/python bench/step_profile.py --model ~/.cache/servelm-bench/models/qwen2.5-0.5b-random-bf16
-    .venv/bin/python bench/step_profile.py --quantization w8a8 --peak int8
+    .venv/bin/python bench/step_profile.py --quantization w8a8 --peak int8 [--kv-cache-dtype int8]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from machine_limits import summary as limits_summary
 from model_cost import ModelCost
 
 from servelm import LLM, SamplingParams, kernels
+from servelm.layers.kv_int8 import quantize_rows
 
 
 @dataclass
@@ -96,8 +97,11 @@ class StepClock:
         setattr(owner, name, timed)
 
 
-def decode_attention_seconds(cost: ModelCost, batch: int, context: int, repeats: int = 5) -> float | None:
-    """One full-batch decode step's attention over all layers, the native kernel, median of ``repeats``."""
+def decode_attention_seconds(
+    cost: ModelCost, batch: int, context: int, kv_int8: bool = False, repeats: int = 5
+) -> float | None:
+    """One full-batch decode step's attention over all layers (bfloat16 caches, or int8 ones as
+    ``--kv-cache-dtype int8`` keeps them), the native kernel, median of ``repeats``."""
     native = kernels.cpu_kernels()
     if native is None:
         return None
@@ -105,6 +109,7 @@ def decode_attention_seconds(cost: ModelCost, batch: int, context: int, repeats:
     gen = torch.Generator().manual_seed(0)
     shape = (2, batch * blocks, 16, cost.kv_heads, cost.head_dim)
     caches = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(cost.layers)]
+    caches = [quantize_rows(cache) for cache in caches] if kv_int8 else caches
     query = torch.randn(batch, cost.heads, cost.head_dim, generator=gen).to(torch.bfloat16)
     tables = torch.arange(batch * blocks).view(batch, blocks)
     lens = torch.full((batch,), context, dtype=torch.long)
@@ -125,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     add_gemm_option(ap, DEFAULT_GEMMS[:1])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a bundled name or a Hugging Face folder")
     ap.add_argument("--quantization", default="none", choices=["none", "w8a8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="as the server's")
     ap.add_argument("--peak", default="bf16", choices=["bf16", "int8"], help="the peak the rates are held against")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=158)
@@ -144,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory=2 << 30,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=False,
     )
     cost = ModelCost.from_hf_config(dataclasses.asdict(llm.engine.runner.model_config))  # its HF names
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = clock.steps
     flops = sum(s.flops for s in steps)
     print(
-        f"{args.model} ({args.quantization}): {len(steps)} steps, {wall:.2f} s, "
+        f"{args.model} ({args.quantization}, {args.kv_cache_dtype} cache): {len(steps)} steps, {wall:.2f} s, "
         f"{args.num_prompts * args.output_len / wall:.1f} output tok/s, "
         f"{flops / wall / 1e9:.0f} G/s = {flops / wall / peak:.1%} of the peak"
     )
@@ -188,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         f"+ the rest {rest * 1e3:.2f}"
     )
     context = round(statistics.mean(s.decode_attention_flops for s in full) / cost.attention_flops(args.max_num_seqs))
-    attention = decode_attention_seconds(cost, args.max_num_seqs, context)
+    attention = decode_attention_seconds(cost, args.max_num_seqs, context, args.kv_cache_dtype == "int8")
     if attention is None:
         print("  (no native kernels here: no decode attention timing, no ceiling)")
         return 0
