@@ -4,10 +4,11 @@
   no CPU kernel for it: the portable path gathers every sequence's keys and
   values into a dense copy and calls SDPA, whose CPU kernel spends most of its
   time on per-head overhead when each sequence has one query token. This one
-  reads the cache blocks in place. Beside it, prefill attention (bfloat16 on
-  AVX512-BF16 CPUs): every prefilling sequence of a step in one call, causal
-  over its cached prefix and its new tokens, where PyTorch gathers and calls
-  SDPA per sequence.
+  reads the cache blocks in place.
+- ``prefill_attention.c``: prefill attention (bfloat16 on AVX512-BF16 CPUs):
+  every prefilling sequence of a step in one call, causal over its cached
+  prefix and its new tokens, where PyTorch gathers and calls SDPA per
+  sequence.
 - ``fused_ops.c``: the decoder's elementwise chains (residual add + RMSNorm,
   RoPE on q and k, SiLU * up), one call each instead of up to 20 small
   PyTorch ops, whose per-op overhead dominates a small batch; the copy of
@@ -16,12 +17,12 @@
   logsum) instead of a whole log-softmax written out.
 - ``kv_int8.c``: the int8 KV cache (``--kv-cache-dtype int8``): rounding a
   step's K/V rows into it, and decode attention over it (prefill's is in
-  paged_attention.c), reading half the bytes of a bfloat16 cache.
+  prefill_attention.c), reading half the bytes of a bfloat16 cache.
 - ``attention_pairs.c``: prefill attention's weighted values, the values
   and the softmax's weights laid out in pairs of keys for ``vdpbf16ps``.
 - ``attention_amx.c``: attention's scores (q . k) on AMX tiles where the
   CPU has them, for decoding (a 16-token cache block at a time) and prefill,
-  and prefill's weighted values; paged_attention.c's bfloat16 kernels ask it
+  and prefill's weighted values; the bfloat16 attention kernels ask it
   first.
 - ``gemv.c``: matrix-vector products for batch-1 decoding, bfloat16 and
   int8 weights, streaming each weight row once at close to memory speed, and

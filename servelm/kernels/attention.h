@@ -1,5 +1,5 @@
-/* What the attention kernels share: paged_attention.c (bfloat16 and float32 caches, decode and prefill) and
- * kv_int8.c (the int8 cache).
+/* What the attention kernels share: paged_attention.c (decode over bfloat16 and float32 caches),
+ * prefill_attention.c and kv_int8.c (the int8 cache).
  *
  * A row is one token's one KV head in the cache. In a bfloat16 cache it is D bfloat16; in an int8 cache
  * (--kv-cache-dtype int8) D int8 values and then their float32 scale, D + 4 bytes: value d is

@@ -1,4 +1,4 @@
-/* Attention's scores on the AMX tile unit, for CPUs that have it (paged_attention.c's bfloat16 kernels ask
+/* Attention's scores on the AMX tile unit, for CPUs that have it (the bfloat16 attention kernels ask
  * here first, and run their AVX512-BF16 loops where this does not apply).
  *
  * Prefill: an item's query rows (copied into 16-row tiles) times its keys, which the prefill kernel has

@@ -1,4 +1,4 @@
-/* Prefill attention's weighted values in pairs of keys, for paged_attention.c's prefill kernel on
+/* Prefill attention's weighted values in pairs of keys, for prefill_attention.c's kernel on
  * AVX512-BF16 CPUs (AMX CPUs multiply the same operands on tiles, attention_amx.c).
  *
  * Each (sequence, KV head)'s values are laid out once in pairs of keys (dim d of values t and t + 1 in one

@@ -16,8 +16,8 @@ void paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_ca
 void paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                       const int64_t *tables, int64_t max_blocks, const int64_t *lens, float *out, int64_t B, int64_t H,
                       int64_t KVH, int64_t D, int64_t block_size, float scale, int nthreads);
-/* 0 where it does not run (no AVX512-BF16, D not a multiple of 64): out is then untouched. The cache is
- * bfloat16, or int8 (kv_int8, rows as attention.h lays them out). */
+/* prefill_attention.c. 0 where it does not run (no AVX512-BF16, D not a multiple of 64): out is then
+ * untouched. The cache is bfloat16, or int8 (kv_int8, rows as attention.h lays them out). */
 int paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_int8,
                        const int64_t *tables, int64_t max_blocks, const int64_t *q_starts, const int64_t *q_lens,
                        const int64_t *ctx_lens, int64_t S, uint16_t *out, int64_t H, int64_t KVH, int64_t D,
@@ -43,7 +43,7 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
 int decode_scores_use_amx(int want);
 /* Prefill's scores the same way (where decode_scores_use_amx allows, D a multiple of 32): scores[r * stride +
  * 16c + j] = scale * q_r . key 16c + j for the rows query rows at qrows (D each) against chunks of 16 keys,
- * transposed at kts as paged_attention.c's prefill lays them out (the tile unit's pair layout). scores has
+ * transposed at kts as prefill_attention.c lays them out (the tile unit's pair layout). scores has
  * room for rows rounded up to 16; qbuf for as many rows of D. */
 int prefill_scores_amx(const uint32_t *const *qrows, int64_t rows, int64_t D, const uint32_t *kts, int64_t chunks,
                        float scale, float *scores, int64_t stride, uint16_t *qbuf);
