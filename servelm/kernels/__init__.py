@@ -4,7 +4,9 @@
   no CPU kernel for it: the portable path gathers every sequence's keys and
   values into a dense copy and calls SDPA, whose CPU kernel spends most of its
   time on per-head overhead when each sequence has one query token. This one
-  reads the cache blocks in place.
+  reads the cache blocks in place. A sequence past 512 keys is split into
+  parts that the threads share, merged by their softmax sums
+  (``decode_plan.c``, which paged_attention.c and kv_int8.c share).
 - ``prefill_attention.c``: prefill attention (bfloat16 on AVX512-BF16 CPUs):
   every prefilling sequence of a step in one call, causal over its cached
   prefix and its new tokens, where PyTorch gathers and calls SDPA per

@@ -50,16 +50,6 @@ static inline struct prefetch_stream prefetch_stream(const void *base, const int
     return (struct prefetch_stream){(const char *)base, table, block_size, row_bytes, bytes, len, 0, 0, 0, 0};
 }
 
-/* A decode work item's share of a cache as a stream: the rows of sequence item / split, the (item % split)-th
- * `bytes` of each; an empty stream for an item past the last (item >= items). */
-static inline struct prefetch_stream item_stream(const void *cache, int64_t item, int64_t items, int64_t split,
-                                                 int64_t bytes, int64_t row_bytes, const int64_t *tables,
-                                                 int64_t max_blocks, const int64_t *lens, int64_t block_size) {
-    if (item >= items) return prefetch_stream(cache, tables, block_size, row_bytes, bytes, 0);
-    return prefetch_stream((const char *)cache + item % split * bytes, tables + item / split * max_blocks, block_size,
-                           row_bytes, bytes, lens[item / split]);
-}
-
 /* The stream's lines, and how many of them each of `steps` steps asks for to have them all asked for. */
 static inline int64_t stream_lines_per(const struct prefetch_stream *s, int64_t steps) {
     const int64_t lines = s->len * ((s->bytes + 63) / 64);
@@ -77,6 +67,37 @@ static inline void stream_prefetch(struct prefetch_stream *s, int64_t n) {
         if (++s->in_block == s->block_size) s->in_block = 0, s->block++;
     }
 }
+
+/* decode_plan.c: decoding's work items, one sequence's KV heads h0 .. over its keys first .. first + len - 1
+ * (first a multiple of the block size); a sequence of parts > 1 items sums each part's rows into float32
+ * partials, merged by decode_plan_merge. */
+struct decode_item {
+    int64_t b, h0, first, len, parts;
+};
+
+struct decode_plan {
+    struct decode_item *items; /* each sequence's in turn, its parts side by side */
+    int64_t count, longest;    /* items; the most keys of any */
+    int64_t rows, D;           /* an item's query heads; their dims */
+    float *partials;           /* per item, where some sequence has parts: rows x D sums, then rows x (largest, sum) */
+};
+
+/* The items of B sequences of lens[b] keys, each split into `split` items of `heads` KV heads (rows query
+ * heads of D dims). */
+struct decode_plan decode_plan(const int64_t *lens, int64_t B, int64_t split, int64_t heads, int64_t rows,
+                               int64_t D, int64_t block_size);
+void decode_plan_free(struct decode_plan *plan);
+/* Item i's partials (rows x D float32 sums, each row normalized by its part's softmax, then the rows' softmax
+ * stats as softmax_ leaves them), or NULL where it writes its rows to the output itself. */
+float *decode_part(const struct decode_plan *plan, int64_t i);
+/* Item i's share of a cache (rows of row_bytes, KV heads of head_bytes in them) as a prefetch stream; empty
+ * past the last item. */
+struct prefetch_stream decode_item_stream(const struct decode_plan *plan, int64_t i, const void *cache,
+                                          int64_t head_bytes, int64_t heads, int64_t row_bytes,
+                                          const int64_t *tables, int64_t max_blocks, int64_t block_size);
+/* Within the kernel's parallel region, after every item (a barrier): each parted sequence's rows, its parts
+ * weighed by their softmax stats, into out [B, H, D] (bfloat16 where out_bf16, else float32). */
+void decode_plan_merge(const struct decode_plan *plan, int64_t H, int64_t G, void *out, int out_bf16);
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define ATTENTION_AVX512BF16 1 /* bf16.h brings immintrin.h */
@@ -118,11 +139,12 @@ static inline void int8_to_bf16(const int8_t *src, uint16_t *dst, int64_t D) {
 }
 
 /* acc (ROWS query heads x 64 dims, in registers) = sum over t < len of p[r * p_stride + t] * v_t, for the 64
- * bfloat16 dims at v_rows[t]; row r is stored at out + r * out_stride. */
+ * bfloat16 dims at v_rows[t]; row r is stored at out + r * out_stride, or in float32 at part + r * out_stride
+ * where part is not NULL. */
 static inline __attribute__((always_inline)) void weighted_rows(const float *p, int64_t len, int64_t p_stride,
                                                                const void **v_rows, int ROWS, uint16_t *out,
-                                                               int64_t out_stride, struct prefetch_stream *ahead,
-                                                               int64_t per_row) {
+                                                               float *part, int64_t out_stride,
+                                                               struct prefetch_stream *ahead, int64_t per_row) {
     __m512 acc[4][4];
     for (int r = 0; r < ROWS; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
@@ -136,19 +158,22 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *p, 
         }
     }
     for (int r = 0; r < ROWS; r++)
-        for (int i = 0; i < 4; i++)
-            _mm256_storeu_si256((__m256i *)(out + r * out_stride + 16 * i), (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
+        for (int i = 0; i < 4; i++) {
+            if (part) _mm512_storeu_ps(part + r * out_stride + 16 * i, acc[r][i]);
+            else _mm256_storeu_si256((__m256i *)(out + r * out_stride + 16 * i), (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
+        }
 }
 
 /* weighted_rows for a run-time count of rows (1..4): query heads of one token, D apart; per_row lines of
  * `ahead` (or NULL) prefetched a V row. */
 static inline void weighted_heads(const float *p, int64_t len, int64_t p_stride, const void **v_rows, int64_t rows,
-                                  uint16_t *out, int64_t D, struct prefetch_stream *ahead, int64_t per_row) {
+                                  uint16_t *out, float *part, int64_t D, struct prefetch_stream *ahead,
+                                  int64_t per_row) {
     switch (rows) {
-        case 1: weighted_rows(p, len, p_stride, v_rows, 1, out, D, ahead, per_row); break;
-        case 2: weighted_rows(p, len, p_stride, v_rows, 2, out, D, ahead, per_row); break;
-        case 3: weighted_rows(p, len, p_stride, v_rows, 3, out, D, ahead, per_row); break;
-        default: weighted_rows(p, len, p_stride, v_rows, 4, out, D, ahead, per_row); break;
+        case 1: weighted_rows(p, len, p_stride, v_rows, 1, out, part, D, ahead, per_row); break;
+        case 2: weighted_rows(p, len, p_stride, v_rows, 2, out, part, D, ahead, per_row); break;
+        case 3: weighted_rows(p, len, p_stride, v_rows, 3, out, part, D, ahead, per_row); break;
+        default: weighted_rows(p, len, p_stride, v_rows, 4, out, part, D, ahead, per_row); break;
     }
 }
 

@@ -191,8 +191,9 @@ static inline __attribute__((always_inline)) void value_sums(const uint32_t *w, 
         UNROLL for (int k = 0; k < 4; k++) tot[r][k] = _mm512_add_ps(tot[r][k], _mm512_cvtepi32_ps(acc[r][k]));
 }
 
-/* value_sums' four vectors of one row times scale, in the dims' order, rounded to bfloat16 at out (64 dims). */
-static inline void value_order(const __m512 tot[4], float scale, uint16_t *out) {
+/* value_sums' four vectors of one row times scale, in the dims' order, rounded to bfloat16 at out (64 dims),
+ * or in float32 at part where it is not NULL. */
+static inline void value_order(const __m512 tot[4], float scale, uint16_t *out, float *part) {
     const __m512i lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
     const __m512i hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     const __m512 s = _mm512_set1_ps(scale);
@@ -200,16 +201,21 @@ static inline void value_order(const __m512 tot[4], float scale, uint16_t *out) 
         const __m512 x = tot[2 * half], y = tot[2 * half + 1];
         const __m512 first = _mm512_mul_ps(_mm512_permutex2var_ps(x, lo, y), s);
         const __m512 second = _mm512_mul_ps(_mm512_permutex2var_ps(x, hi, y), s);
-        _mm512_storeu_si512(out + 32 * half, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+        if (part) {
+            _mm512_storeu_ps(part + 32 * half, first);
+            _mm512_storeu_ps(part + 32 * half + 16, second);
+        } else {
+            _mm512_storeu_si512(out + 32 * half, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+        }
     }
 }
 
 /* out[r] (G query heads, D apart) = sum over t < len of p[r * len + t] * v_t, over the int8 values of one KV
  * head at v_rows[t] (D values, then their scale): each row's weights times the values' scales, rounded to
- * 15 bits of their largest (w: room for G * (len + 1) int16), then summed by value_sums. per_pair lines of
- * `ahead` are prefetched a pair of keys. */
+ * 15 bits of their largest (w: room for G * (len + 1) int16), then summed by value_sums; in float32 at part
+ * (same layout) where it is not NULL. per_pair lines of `ahead` are prefetched a pair of keys. */
 static void int8_values(const float *p, int64_t len, int64_t G, int64_t D, const void **v_rows, float *v_scales,
-                        int16_t *w, uint16_t *out, struct prefetch_stream *ahead, int64_t per_pair) {
+                        int16_t *w, uint16_t *out, float *part, struct prefetch_stream *ahead, int64_t per_pair) {
     const int64_t pairs = (len + 1) / 2, w_stride = 2 * pairs;
     float unit[G]; /* a row's weight 1 */
     row_scales(v_rows, len, D, v_scales);
@@ -247,20 +253,23 @@ static void int8_values(const float *p, int64_t len, int64_t G, int64_t D, const
                     default: value_sums(wr, pairs, v_rows, d0, len, p0, p1, 4, tot, ahead, per_pair); break;
                 }
             }
-            for (int r = 0; r < rows; r++) value_order(tot[r], unit[r0 + r], out + (r0 + r) * D + d0);
+            for (int r = 0; r < rows; r++) {
+                const int64_t at = (r0 + r) * D + d0;
+                value_order(tot[r], unit[r0 + r], out + at, part ? part + at : NULL);
+            }
         }
 }
 
-/* Work items as paged_decode_bf16's: one sequence and a range of its KV heads. */
+/* Work items as paged_decode_bf16's (decode_plan.c): one sequence and a range of its KV heads, over its keys or
+ * a part of them. */
 int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache, const int8_t *v_cache,
                       const int64_t *tables, int64_t max_blocks, const int64_t *lens, uint16_t *out, int64_t B,
                       int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int nthreads) {
     if (!kv_int8_decodes(D)) return 0;
     const int64_t G = H / KVH, split = B >= nthreads ? 1 : KVH, heads = KVH / split, rows = heads * G;
     const int64_t row = kv_row_bytes(D, 1);
-    int64_t longest = 1;
-    for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
-    const int64_t items = B * split;
+    struct decode_plan plan = decode_plan(lens, B, split, heads, rows, D, block_size);
+    const int64_t longest = plan.longest;
     int64_t claimed = 0; /* items handed out: a thread claims its next one a step ahead */
     _Pragma("omp parallel num_threads(nthreads)") {
         /* one workspace per thread: scores [rows, longest], the values' scales [longest], row pointers, a KV
@@ -271,31 +280,37 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
         const void **row_at = (const void **)(v_scales + longest);
         int16_t *weights = (int16_t *)(row_at + longest);
         int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-        while (next < items) {
-            const int64_t item = next, b = item / split, h0 = (item % split) * heads, len = lens[b];
-            const int64_t *table = tables + b * max_blocks;
+        while (next < plan.count) {
+            const int64_t item = next, b = plan.items[item].b, h0 = plan.items[item].h0, len = plan.items[item].len;
+            const int64_t *table = tables + b * max_blocks + plan.items[item].first / block_size;
             const uint16_t *qb = q + b * q_stride + h0 * G * D;
+            float *part = decode_part(&plan, item); /* float32 sums for the merge, or NULL: rows to out */
             next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             /* As paged_decode_bf16: the values come in while the scores are summed, the next item's keys while
              * the values are. */
-            struct prefetch_stream values = item_stream(v_cache, item, items, split, heads * row, KVH * row, tables,
-                                                        max_blocks, lens, block_size),
-                                   keys = item_stream(k_cache, next, items, split, heads * row, KVH * row, tables,
-                                                      max_blocks, lens, block_size);
+            struct prefetch_stream values = decode_item_stream(&plan, item, v_cache, row, heads, KVH * row, tables,
+                                                               max_blocks, block_size),
+                                   keys = decode_item_stream(&plan, next, k_cache, row, heads, KVH * row, tables,
+                                                             max_blocks, block_size);
             if (!decode_scores_amx_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores))
                 decode_scores_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores, row_at,
                                    &values);
-            for (int64_t r = 0; r < rows; r++) softmax_(scores + r * len, len);
+            for (int64_t r = 0; r < rows; r++) softmax_(scores + r * len, len, part ? part + rows * D + 2 * r : NULL);
             const int64_t per_pair = stream_lines_per(&keys, heads * (D / 64) * ((G + 3) / 4) * ((len + 1) / 2));
             for (int64_t hh = 0; hh < heads; hh++) {
                 row_pointers(v_cache + (h0 + hh) * row, table, len, block_size, KVH * row, row_at);
                 prefetch_rows(row_at, len, row);
                 int8_values(scores + hh * G * len, len, G, D, row_at, v_scales, weights,
-                            out + (b * H + (h0 + hh) * G) * D, &keys, per_pair);
+                            out + (b * H + (h0 + hh) * G) * D, part ? part + hh * G * D : NULL, &keys, per_pair);
             }
         }
         free(scores);
+        if (plan.partials) { /* every part summed: merge each long sequence's */
+            _Pragma("omp barrier")
+            decode_plan_merge(&plan, H, G, out, 1);
+        }
     }
+    decode_plan_free(&plan);
     return 1;
 }
 #else

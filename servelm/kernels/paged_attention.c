@@ -95,10 +95,11 @@ int decode_scores_bf16(const uint16_t *q, int64_t rows, int64_t G, int64_t D, co
 }
 
 /* out[r] = sum over t of p[r * len + t] * v_t, for the item's rows, rounded to
- * bfloat16; each V row is widened once for all the query heads that read it. v_rows: room for len pointers. */
+ * bfloat16 (or in float32 at part[r], where part is not NULL); each V row is widened once for all the query
+ * heads that read it. v_rows: room for len pointers. */
 static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const uint16_t *v_cache, int64_t KVH,
                        int64_t h0, const int64_t *table, int64_t block_size, int64_t len, uint16_t *out,
-                       const void **v_rows, struct prefetch_stream *ahead) {
+                       float *part, const void **v_rows, struct prefetch_stream *ahead) {
     if (D % 64) return 0;
     const int64_t per_row = ahead ? stream_lines_per(ahead, rows / G * (D / 64) * ((G + 3) / 4) * len) : 0;
     for (int64_t h = 0; h < rows / G; h++)
@@ -108,8 +109,9 @@ static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const
             prefetch_rows(v_rows, len, 64 * (int64_t)sizeof(uint16_t));
             for (int64_t r0 = 0; r0 < G; r0 += 4) { /* up to 4 query heads x 64 dims: 16 accumulators */
                 const float *pr = p + (h * G + r0) * len;
-                uint16_t *o = out + (h * G + r0) * D + d0;
-                weighted_heads(pr, len, len, v_rows, G - r0 < 4 ? G - r0 : 4, o, D, ahead, per_row);
+                const int64_t at = (h * G + r0) * D + d0;
+                weighted_heads(pr, len, len, v_rows, G - r0 < 4 ? G - r0 : 4, out + at, part ? part + at : NULL, D,
+                               ahead, per_row);
             }
         }
     return 1;
@@ -128,8 +130,9 @@ static int values_bf16(const float *p, int64_t rows, int64_t G, int64_t D, const
  * tables: [B, max_blocks]; lens: [B] (keys each sequence attends to, >= 1);
  * out: [B, H, D]. Query head h reads KV head h / (H / KVH).
  *
- * A work item is one sequence and a range of its KV heads: all of them when
- * there are at least as many sequences as threads, one otherwise. Within an
+ * A work item is one sequence and a range of its KV heads (all of them when
+ * there are at least as many sequences as threads, one otherwise) over its
+ * keys, or over a part of them for a long sequence (decode_plan.c). Within an
  * item the keys (then the values) are read token by token across the item's
  * heads, so each cache block is streamed once, in order; the vector path
  * prefetches the values and the next item's keys while it computes. */
@@ -138,13 +141,14 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
           const int64_t *lens, T *out, int64_t B, int64_t H, int64_t KVH, int64_t D,              \
           int64_t block_size, float scale, int nthreads) {                                       \
     const int64_t G = H / KVH;                                                                    \
-    const int64_t split = B >= nthreads ? 1 : KVH; /* items per sequence */                      \
+    const int64_t split = B >= nthreads ? 1 : KVH; /* items per sequence (or part) */            \
     const int64_t heads = KVH / split;             /* KV heads per item */                        \
     const int64_t rows = heads * G;                /* an item's query heads */                    \
-    const int64_t row_bytes = KVH * D * (int64_t)sizeof(T), block_bytes = block_size * row_bytes; \
-    const int64_t items = B * split, bytes = heads * D * (int64_t)sizeof(T); /* an item's of a row */ \
-    int64_t longest = 1, claimed = 0; /* items handed out: a thread claims its next one a step ahead */ \
-    for (int64_t b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;              \
+    const int64_t head_bytes = D * (int64_t)sizeof(T), row_bytes = KVH * head_bytes;              \
+    const int64_t block_bytes = block_size * row_bytes;                                           \
+    struct decode_plan plan = decode_plan(lens, B, split, heads, rows, D, block_size);      \
+    const int64_t longest = plan.longest;                                                         \
+    int64_t claimed = 0; /* items handed out: a thread claims its next one a step ahead */        \
     _Pragma("omp parallel num_threads(nthreads)") {                                               \
     /* one workspace per thread, for its longest item: malloc per item cost more than short items \
      * themselves */                                                                              \
@@ -153,16 +157,17 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
     float *acc = qf + rows * D, *scores = acc + rows * D;                                         \
     const void **row_at = (const void **)(scores + rows * longest);                               \
     int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);                             \
-    while (next < items) {                                                                        \
-        const int64_t item = next, b = item / split, h0 = (item % split) * heads;                 \
-        const int64_t len = lens[b];                                                              \
-        const int64_t *table = tables + b * max_blocks;                                           \
+    while (next < plan.count) {                                                                   \
+        const int64_t item = next, b = plan.items[item].b, h0 = plan.items[item].h0;              \
+        const int64_t len = plan.items[item].len;                                                 \
+        const int64_t *table = tables + b * max_blocks + plan.items[item].first / block_size;     \
+        float *part = decode_part(&plan, item); /* float32 sums for the merge, or NULL: rows to out */ \
         next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);                                 \
         /* While the scores are summed, this item's values come into L2, and while the values are, the   \
          * next item's keys (on Zen 5, 32 sequences x 200 tokens from memory took 0.7x the time). */      \
         struct prefetch_stream                                                                    \
-            values = item_stream(v_cache, item, items, split, bytes, row_bytes, tables, max_blocks, lens, block_size), \
-            keys = item_stream(k_cache, next, items, split, bytes, row_bytes, tables, max_blocks, lens, block_size); \
+            values = decode_item_stream(&plan, item, v_cache, head_bytes, heads, row_bytes, tables, max_blocks, block_size), \
+            keys = decode_item_stream(&plan, next, k_cache, head_bytes, heads, row_bytes, tables, max_blocks, block_size); \
         /* rows = the item's query heads, h0 * G .. (h0 + heads) * G - 1 */                       \
         if (!SCORES(q + b * q_stride + h0 * G * D, rows, G, D, k_cache, KVH, h0, table, block_size, len,\
                     scale, scores, row_at, &values)) {                                             \
@@ -174,7 +179,7 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
             for (int64_t t = 0; t < len; t++) {                                                   \
                 const int64_t slot = table[t / block_size] * block_size + t % block_size;         \
                 prefetch_next_block(table, t, len, block_size, (const char *)k_cache, block_bytes, \
-                                    h0 * D * (int64_t)sizeof(T), heads * D * (int64_t)sizeof(T)); \
+                                    h0 * head_bytes, heads * head_bytes);                         \
                 const T *kp = k_cache + (slot * KVH + h0) * D;                                    \
                 for (int64_t r = 0; r < rows; r++) {                                              \
                     const T *kr = kp + (r / G) * D;                                               \
@@ -185,14 +190,15 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        for (int64_t r = 0; r < rows; r++) softmax_(scores + r * len, len);                      \
+        for (int64_t r = 0; r < rows; r++)                                                        \
+            softmax_(scores + r * len, len, part ? part + rows * D + 2 * r : NULL);               \
         if (!VALUES(scores, rows, G, D, v_cache, KVH, h0, table, block_size, len,                 \
-                    out + (b * H + h0 * G) * D, row_at, &keys)) {                                 \
+                    out + (b * H + h0 * G) * D, part, row_at, &keys)) {                           \
             memset(acc, 0, sizeof(float) * (size_t)(rows * D));                                   \
             for (int64_t t = 0; t < len; t++) {                                                   \
                 const int64_t slot = table[t / block_size] * block_size + t % block_size;         \
                 prefetch_next_block(table, t, len, block_size, (const char *)v_cache, block_bytes,\
-                                    h0 * D * (int64_t)sizeof(T), heads * D * (int64_t)sizeof(T)); \
+                                    h0 * head_bytes, heads * head_bytes);                         \
                 const T *vp = v_cache + (slot * KVH + h0) * D;                                    \
                 for (int64_t r = 0; r < rows; r++) {                                              \
                     const T *vr = vp + (r / G) * D;                                               \
@@ -205,12 +211,20 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
             for (int64_t r = 0; r < rows; r++) {                                                  \
                 T *op = out + (b * H + h0 * G + r) * D;                                           \
                 _Pragma("omp simd")                                                               \
-                for (int64_t d = 0; d < D; d++) op[d] = STORE(acc[r * D + d]);                    \
+                for (int64_t d = 0; d < D; d++) {                                                 \
+                    if (part) part[r * D + d] = acc[r * D + d];                                   \
+                    else op[d] = STORE(acc[r * D + d]);                                           \
+                }                                                                                 \
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
     free(qf);                                                                                     \
+    if (plan.partials) { /* every part summed: merge each long sequence's */                     \
+        _Pragma("omp barrier")                                                                    \
+        decode_plan_merge(&plan, H, G, out, sizeof(T) == 2);                                      \
     }                                                                                             \
+    }                                                                                             \
+    decode_plan_free(&plan);                                                \
 }
 
 DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16, decode_scores_bf16, values_bf16)

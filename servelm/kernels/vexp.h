@@ -64,10 +64,12 @@ static inline __m512 softmax_weight16(__m512 x, __m512 m) {
 }
 #endif
 
-/* s[0..len) = softmax(s[0..len)), in place, in float32. */
-static inline void softmax_(float *s, int64_t len) {
+/* s[0..len) = softmax(s[0..len)), in place, in float32. Where stats is not NULL, stats[0] = the largest of s
+ * and stats[1] = the sum of exp(s[t] - it) (a part of a longer softmax, merged later). */
+static inline void softmax_(float *s, int64_t len, float *stats) {
 #ifdef __AVX512F__
-    const __m512 m = _mm512_set1_ps(largest_(s, len));
+    const float mx = largest_(s, len);
+    const __m512 m = _mm512_set1_ps(mx);
     const __mmask16 tail = (__mmask16)((1u << (len % 16)) - 1);
     __m512 vsum = _mm512_setzero_ps();
     int64_t t = 0;
@@ -79,7 +81,8 @@ static inline void softmax_(float *s, int64_t len) {
     const __m512 e = softmax_weight16(_mm512_maskz_loadu_ps(tail, s + t), m);
     _mm512_mask_storeu_ps(s + t, tail, e);
     vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    const float sum = _mm512_reduce_add_ps(vsum);
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
     for (t = 0; t + 16 <= len; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
     _mm512_mask_storeu_ps(s + t, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + t), inv));
 #else
@@ -91,4 +94,5 @@ static inline void softmax_(float *s, int64_t len) {
     _Pragma("omp simd")
     for (int64_t t = 0; t < len; t++) s[t] *= inv;
 #endif
+    if (stats) stats[0] = mx, stats[1] = sum;
 }

@@ -140,10 +140,13 @@ def test_new_kv_written_at_slots():
     # SmolLM2, Llama-3-8B's groups of 4, 128-dim heads, 7 query heads per KV head (Qwen2-0.5B), 32-dim heads
     [(9, 3, 64), (32, 8, 128), (8, 8, 128), (14, 2, 64), (16, 2, 32)],
 )
-@pytest.mark.parametrize("contexts", [[1, 16, 17, 250, 129], [250]], ids=["batch", "one"])
+@pytest.mark.parametrize(
+    "contexts", [[1, 16, 17, 250, 129], [250], [600, 3, 1500], [1300]], ids=["batch", "one", "parts", "one-parts"]
+)
 def test_long_decodes_at_model_shapes(dtype, num_heads, num_kv_heads, head_dim, contexts):
     """Contexts across many 16-token blocks, at real head shapes, in both cache dtypes; one sequence alone
-    (the native kernel then splits it by KV head)."""
+    (the native kernel then splits it by KV head); contexts past 512 keys, which the native kernel splits
+    into parts and merges."""
     case = make_case([], contexts, num_heads, num_kv_heads, head_dim=head_dim, block_size=16, seed=7)
     got = paged_attention(
         case.query.to(dtype), case.key.to(dtype), case.value.to(dtype), case.cache.to(dtype), case.meta, case.scale

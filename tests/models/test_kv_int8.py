@@ -129,6 +129,38 @@ def test_native_decode_sums_long_contexts_of_extreme_values_exactly_enough(nativ
     torch.testing.assert_close(got.double(), expected, atol=2e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_long_sequence_decodes_alike_alone_and_beside_others(native_kernels, cache_dtype, threads):
+    """Sequences past the native kernel's parts (512 keys: their keys split between the threads, the parts
+    merged by their softmax sums) get the same attention to the last bit alone as beside others, over a
+    bfloat16 or an int8 cache: a speculative step's verified rows decode beside each other and must come out
+    as plain decoding's one row does. And it is attention: against float64 over the same cache."""
+    gen = torch.Generator().manual_seed(11)
+    cache = torch.randn(2, 200, 16, 2, 64, generator=gen).to(torch.bfloat16)
+    cache = quantize_rows(cache) if cache_dtype == "int8" else cache
+    tables = torch.stack([torch.randperm(200, generator=gen)[:100] for _ in range(4)])
+    lens = torch.tensor([1500, 20, 1599, 513])
+    query = torch.randn(4, 14, 64, generator=gen).to(torch.bfloat16)
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        together = native_kernels.decode_attention(query, cache, tables, lens, 0.125)
+        alone = [
+            native_kernels.decode_attention(query[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], 0.125)
+            for i in range(4)
+        ]
+    finally:
+        torch.set_num_threads(was)
+    if together is None:
+        pytest.skip("this CPU has no AVX512-BF16: the int8 cache is read through PyTorch")
+    for i, one in enumerate(alone):
+        assert torch.equal(one[0], together[i]), f"sequence {i} ({lens[i].item()} keys) alone differs"
+    values = dequantize_rows(cache, torch.float64) if cache_dtype == "int8" else cache.double()
+    expected = reference_decode_attention(query, values, tables, lens, 0.125)
+    torch.testing.assert_close(together.double(), expected, atol=1e-2, rtol=1e-2)
+
+
 def test_the_ops_check_an_int8_cache(native_kernels):
     cache = torch.zeros(2, 4, 16, 2, 68, dtype=torch.int8)
     tables, lens = torch.tensor([[0, 1]]), torch.tensor([20])
