@@ -69,14 +69,15 @@ static inline void stream_prefetch(struct prefetch_stream *s, int64_t n) {
 }
 
 /* decode_plan.c: decoding's work items, one sequence's KV heads h0 .. over its keys first .. first + len - 1
- * (first a multiple of the block size); a sequence of parts > 1 items sums each part's rows into float32
- * partials, merged by decode_plan_merge. */
+ * (first a multiple of the block size); a sequence of parts > 1 items (from item `group` on) sums each part's
+ * rows into float32 partials, merged when the last is done (decode_item_done). */
 struct decode_item {
-    int64_t b, h0, first, len, parts;
+    int64_t b, h0, first, len, parts, group;
 };
 
 struct decode_plan {
     struct decode_item *items; /* each sequence's in turn, its parts side by side */
+    int64_t *done;             /* per group, where some sequence has parts: its parts summed so far */
     int64_t count, longest;    /* items; the most keys of any */
     int64_t rows, D;           /* an item's query heads; their dims */
     float *partials;           /* per item, where some sequence has parts: rows x D sums, then rows x (largest, sum) */
@@ -95,9 +96,10 @@ float *decode_part(const struct decode_plan *plan, int64_t i);
 struct prefetch_stream decode_item_stream(const struct decode_plan *plan, int64_t i, const void *cache,
                                           int64_t head_bytes, int64_t heads, int64_t row_bytes,
                                           const int64_t *tables, int64_t max_blocks, int64_t block_size);
-/* Within the kernel's parallel region, after every item (a barrier): each parted sequence's rows, its parts
- * weighed by their softmax stats, into out [B, H, D] (bfloat16 where out_bf16, else float32). */
-void decode_plan_merge(const struct decode_plan *plan, int64_t H, int64_t G, void *out, int out_bf16);
+/* After item i (its partials written, where it has them): where it was its sequence's last part to finish,
+ * that sequence's rows, its parts weighed by their softmax stats, into out [B, H, D] (bfloat16 where
+ * out_bf16, else float32). */
+void decode_item_done(const struct decode_plan *plan, int64_t i, int64_t H, int64_t G, void *out, int out_bf16);
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define ATTENTION_AVX512BF16 1 /* bf16.h brings immintrin.h */

@@ -303,12 +303,9 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
                 int8_values(scores + hh * G * len, len, G, D, row_at, v_scales, weights,
                             out + (b * H + (h0 + hh) * G) * D, part ? part + hh * G * D : NULL, &keys, per_pair);
             }
+            decode_item_done(&plan, item, H, G, out, 1);
         }
         free(scores);
-        if (plan.partials) { /* every part summed: merge each long sequence's */
-            _Pragma("omp barrier")
-            decode_plan_merge(&plan, H, G, out, 1);
-        }
     }
     decode_plan_free(&plan);
     return 1;

@@ -217,12 +217,9 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
+        decode_item_done(&plan, item, H, G, out, sizeof(T) == 2);                                 \
     }                                                                                             \
     free(qf);                                                                                     \
-    if (plan.partials) { /* every part summed: merge each long sequence's */                     \
-        _Pragma("omp barrier")                                                                    \
-        decode_plan_merge(&plan, H, G, out, sizeof(T) == 2);                                      \
-    }                                                                                             \
     }                                                                                             \
     decode_plan_free(&plan);                                                \
 }
