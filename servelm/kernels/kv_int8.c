@@ -5,8 +5,9 @@
  * to the nearest multiple of it. Decoding rounds each query head to int8 the same way and sums its products
  * with the keys in int32, read in place: on AMX-INT8 tiles where the CPU has them (attention_amx.c),
  * elsewhere by AVX512-VNNI's vpdpbusd over 16 keys transposed in registers; the keys' and the query heads'
- * scales then multiply the sums. The values' scales multiply the weights. Prefill reads the int8 cache in prefill_attention.c's kernel. Built at first use
- * by servelm/kernels. */
+ * scales then multiply the sums. The values are summed in integers too (int8_values), their scales folded
+ * into the weights. Prefill reads the int8 cache in prefill_attention.c's kernel. Built at first use by
+ * servelm/kernels. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
