@@ -146,7 +146,7 @@ void NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, cons
     const int64_t rows = heads * G;                /* an item's query heads */                    \
     const int64_t head_bytes = D * (int64_t)sizeof(T), row_bytes = KVH * head_bytes;              \
     const int64_t block_bytes = block_size * row_bytes;                                           \
-    struct decode_plan plan = decode_plan(lens, B, split, heads, rows, D, block_size);      \
+    struct decode_plan plan = decode_plan(lens, B, split, heads, rows, D, block_size);            \
     const int64_t longest = plan.longest;                                                         \
     int64_t claimed = 0; /* items handed out: a thread claims its next one a step ahead */        \
     _Pragma("omp parallel num_threads(nthreads)") {                                               \
