@@ -47,6 +47,9 @@ struct prefetch_stream {
 
 static inline struct prefetch_stream prefetch_stream(const void *base, const int64_t *table, int64_t block_size,
                                                      int64_t row_bytes, int64_t bytes, int64_t len) {
+    if (bytes == row_bytes && len > 0) { /* whole rows: each block is one run of lines, walked as one row */
+        row_bytes *= block_size, bytes = row_bytes, len = (len + block_size - 1) / block_size, block_size = 1;
+    }
     return (struct prefetch_stream){(const char *)base, table, block_size, row_bytes, bytes, len, 0, 0, 0, 0};
 }
 
@@ -58,14 +61,18 @@ static inline int64_t stream_lines_per(const struct prefetch_stream *s, int64_t 
 
 /* The next n lines of s (none once it is done, or where s is NULL). */
 static inline void stream_prefetch(struct prefetch_stream *s, int64_t n) {
-    if (!s) return;
-    for (; n > 0 && s->t < s->len; n--) { /* walking the table: no division a line */
-        const int64_t slot = s->table[s->block] * s->block_size + s->in_block;
-        __builtin_prefetch(s->base + slot * s->row_bytes + s->offset, 0, 2); /* prefetcht1: into L2 */
-        if ((s->offset += 64) < s->bytes) continue;
-        s->offset = 0, s->t++;
-        if (++s->in_block == s->block_size) s->in_block = 0, s->block++;
+    if (!s || n <= 0 || s->t >= s->len) return;
+    int64_t t = s->t, block = s->block, in_block = s->in_block, offset = s->offset; /* in registers, not */
+    const int64_t len = s->len, bytes = s->bytes, block_size = s->block_size;      /* stored each line */
+    const char *row = s->base + (s->table[block] * block_size + in_block) * s->row_bytes;
+    for (; n > 0 && t < len; n--) { /* walking the table: no division a line */
+        __builtin_prefetch(row + offset, 0, 2); /* prefetcht1: into L2 */
+        if ((offset += 64) < bytes) continue;
+        offset = 0, t++;
+        if (++in_block == block_size) in_block = 0, block++;
+        if (t < len) row = s->base + (s->table[block] * block_size + in_block) * s->row_bytes;
     }
+    s->t = t, s->block = block, s->in_block = in_block, s->offset = offset;
 }
 
 /* decode_plan.c: decoding's work items, one sequence's KV heads h0 .. over its keys first .. first + len - 1

@@ -64,11 +64,11 @@ static inline __attribute__((always_inline)) __m512 dot_bf16(const uint16_t *a, 
 static inline __attribute__((always_inline)) void scores_rows(const uint16_t *q, int64_t rows, int64_t G, int64_t D,
                                                              const void **keys, int64_t len, float scale,
                                                              float *scores, struct prefetch_stream *ahead) {
-    const int64_t per_chunk = ahead ? stream_lines_per(ahead, len / 16) : 0;
+    const int64_t per_row = ahead ? stream_lines_per(ahead, len / 16 * rows) : 0;
     int64_t t0 = 0;
     for (; t0 + 16 <= len; t0 += 16) {
-        stream_prefetch(ahead, per_chunk);
         for (int64_t r = 0; r < rows; r++) {
+            stream_prefetch(ahead, per_row);
             __m512 parts[16];
             for (int j = 0; j < 16; j++) parts[j] = dot_bf16(q + r * D, (const uint16_t *)keys[t0 + j] + (r / G) * D, D);
             _mm512_storeu_ps(scores + r * len + t0, _mm512_mul_ps(lane_sums16(parts), _mm512_set1_ps(scale)));
