@@ -14,7 +14,10 @@ of the Qwen2.5-0.5B shape's gate/up are 40 MB, the Llama-3.2-1B shape's 64 MB),
 so once the weights and the KV cache are in place the engine turns ``mmap``
 off for the rest (``heap_only``): every later block comes from the heap and
 stays there. Loading keeps ``mmap`` on, so that a model's weights, and the
-copies freed while laying them out, go back to the kernel when freed.
+copies freed while laying them out, go back to the kernel when freed; the
+copies below the mmap threshold (a small model's layers: SmolLM2's are a few
+MiB each) land in the heap, whose raised trim threshold would keep them, so
+``heap_only`` first hands the heap's free pages back (``malloc_trim``).
 
 Decoding one sequence streams every weight once per token, which on 4 KiB
 pages misses the TLB at every page; ``huge_page_copies`` places tensors
@@ -30,6 +33,7 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+from typing import Any
 
 import torch
 
@@ -45,12 +49,18 @@ _TRIM_THRESHOLD = 1 << 30
 _MMAP_MAX = 65536  # glibc's default number of mmap-served blocks
 
 
+def _libc_function(name: str) -> Any:
+    """The C library's function ``name``; None where the C library is not glibc or lacks it."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def _mallopt(settings: dict[int, int]) -> bool:
     """Set glibc malloc parameters; False where the C library is not glibc or refuses one."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = all(mallopt(param, value) == 1 for param, value in settings.items())
@@ -65,10 +75,22 @@ def keep_freed_memory() -> bool:
     return _mallopt({_M_MMAP_THRESHOLD: _MMAP_THRESHOLD, _M_TRIM_THRESHOLD: _TRIM_THRESHOLD, _M_MMAP_MAX: _MMAP_MAX})
 
 
+def release_freed_memory() -> bool:
+    """Hand the pages of glibc's free heap blocks back to the kernel (``malloc_trim``), whatever the trim
+    threshold; False where the C library is not glibc."""
+    trim = _libc_function("malloc_trim")
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True
+
+
 def heap_only() -> bool:
-    """Serve every later allocation from glibc's heap, however large, so that freed blocks stay for the
-    next step (``keep_freed_memory`` first); False where the C library is not glibc."""
-    return _mallopt({_M_MMAP_MAX: 0})
+    """Give back what loading freed (``release_freed_memory``), then serve every later allocation from
+    glibc's heap, however large, so that freed blocks stay for the next step (``keep_freed_memory``
+    first); False where the C library is not glibc."""
+    return release_freed_memory() and _mallopt({_M_MMAP_MAX: 0})
 
 
 _HUGE_PAGE = 2 << 20

@@ -113,6 +113,33 @@ def test_the_engines_thread_keeps_its_step_memory_in_one_arena(arenas):
         assert after_warm_up > settled, faults
 
 
+# Loading's copies: blocks below the mmap threshold (a small model's layers) written and freed, all but the
+# last (so that no free block sits at the top of the heap for an ordinary trim to take).
+_LOADING = """
+import json, torch
+from servelm.platform.memory import heap_only, keep_freed_memory
+
+def resident():  # bytes
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+assert keep_freed_memory()
+blocks = [torch.empty(8 << 20, dtype=torch.uint8).fill_(1) for _ in range(48)]  # 384 MiB, 8 MiB each
+before = resident()
+del blocks[:-1]
+freed = resident()
+assert heap_only()
+print(json.dumps([before, freed, resident()]))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_what_loading_freed_goes_back_to_the_kernel_once_steps_keep_their_memory():
+    run = subprocess.run([sys.executable, "-c", _LOADING], capture_output=True, text=True, check=True)
+    before, freed, after = json.loads(run.stdout)
+    assert freed > before - (64 << 20), (before, freed)  # the raised trim threshold keeps the freed blocks
+    assert after < freed - (300 << 20), (freed, after)  # heap_only hands their pages back
+
+
 def test_huge_page_copies_hold_their_values_past_the_callers_references():
     sources = [torch.randn(5, 7), torch.arange(33, dtype=torch.int8), torch.randn(2, 3).bfloat16()]
     copies = [huge_page_copies(sources)[i] for i in range(3)]  # no reference to the list remains
