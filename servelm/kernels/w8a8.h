@@ -39,8 +39,16 @@ static inline void quantize_row(const void *x, int x_bf16, int64_t m, int64_t K,
                                 int64_t chunk_stride, uint8_t *q, float *scale) {
     const uint16_t *xb = (const uint16_t *)x + m * K;
     const float *xf = (const float *)x + m * K;
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
+    __m512 amax = _mm512_setzero_ps(), most[4] = {amax, amax, amax, amax};
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) /* four at a time, each its own maximum: no mask, no chain through one register */
+        for (int j = 0; j < 4; j++) {
+            const __m512 v = x_bf16 ? widen16_bits(_mm256_loadu_si256((const __m256i *)(xb + k + 16 * j)))
+                                    : _mm512_loadu_ps(xf + k + 16 * j);
+            most[j] = _mm512_max_ps(most[j], _mm512_abs_ps(v));
+        }
+    amax = _mm512_max_ps(_mm512_max_ps(most[0], most[1]), _mm512_max_ps(most[2], most[3]));
+    for (; k < K; k += 16) {
         const __mmask16 mask = (__mmask16)(K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1);
         const __m512 v = x_bf16 ? widen16_bits(_mm256_maskz_loadu_epi16(mask, xb + k)) : _mm512_maskz_loadu_ps(mask, xf + k);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
@@ -49,7 +57,24 @@ static inline void quantize_row(const void *x, int x_bf16, int64_t m, int64_t K,
     *scale = top / 127.f;
     const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
     const __m512i zp = _mm512_set1_epi32(zero_point);
-    for (int64_t k = 0; k < Kp; k += 16) {
+    /* 64 values at a time: their int32s packed to bytes in registers and stored as one vector (with a masked
+     * vpmovdb store per 16, this loop took about a fifth of the kernel's time outside its tiles on Zen 5).
+     * Packing interleaves the 128-bit lanes: dword 4 L + p holds part p's values 4 L to 4 L + 3, put back in
+     * order by one permute. |q| <= 127, so the packs never saturate, and adding the zero point byte-wise gives
+     * q + zero_point mod 256. */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i zp8 = _mm512_set1_epi8((char)zero_point);
+    for (k = 0; k + 64 <= K; k += 64) {
+        __m512i part[4];
+        for (int j = 0; j < 4; j++) {
+            const __m512 v = x_bf16 ? widen16_bits(_mm256_loadu_si256((const __m256i *)(xb + k + 16 * j)))
+                                    : _mm512_loadu_ps(xf + k + 16 * j);
+            part[j] = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+        }
+        const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(part[0], part[1]), _mm512_packs_epi32(part[2], part[3]));
+        _mm512_storeu_si512(q + k / 64 * chunk_stride, _mm512_add_epi8(_mm512_permutexvar_epi32(order, bytes), zp8));
+    }
+    for (; k < Kp; k += 16) {
         const __mmask16 in = (__mmask16)(K - k >= 16 ? 0xFFFF : K > k ? (1u << (K - k)) - 1 : 0);
         const __mmask16 out = (__mmask16)(Kp - k >= 16 ? 0xFFFF : (1u << (Kp - k)) - 1);
         const __m512 v = x_bf16 ? widen16_bits(_mm256_maskz_loadu_epi16(in, xb + k)) : _mm512_maskz_loadu_ps(in, xf + k);
