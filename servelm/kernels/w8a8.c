@@ -41,6 +41,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "kernels.h"
 #include "w8a8.h"
@@ -182,6 +183,15 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
     /* One parallel region for both loops: on a busy machine each region's start waits until every thread
      * is scheduled again, which can cost more than the GEMM itself. */
     _Pragma("omp parallel num_threads(nthreads)") {
+    if (chunks == 1) { /* this thread's first panel (the static split's) on its way to L2 while the rows round */
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads(), q0 = panels / n, extra = panels % n;
+        const int64_t p = t * q0 + (t < extra ? t : extra);
+        if (p < panels) {
+            const int64_t u0 = p * units / panels, bytes = ((p + 1) * units / panels - u0) * unit * 16 * Kp;
+            const char *w = (const char *)(packed + u0 * unit * 16 * Kp);
+            for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(w + line, _MM_HINT_T1);
+        }
+    }
     _Pragma("omp for schedule(static)")
     for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, K, Kp, 128, 64, q + m * Kp, row_scales + m);
     _Pragma("omp for collapse(2) schedule(static) nowait") /* the region's end waits */
