@@ -1,6 +1,7 @@
 """The paged KV cache's tensors: one per layer, ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (0: keys, 1: values), in the model's dtype or, with ``kv_cache_dtype`` int8, int8 rows of ``head_dim + 4``
-bytes (``layers.kv_int8``). The target model and a draft model each have theirs, in the same block layout."""
+bytes (``layers.kv_int8``). The target model and a draft model each have theirs, in the same block layout.
+On the CPU each sits on transparent huge pages (``platform.memory.huge_page_zeros``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from servelm.layers import kv_int8
 from servelm.models.config import ModelConfig
+from servelm.platform.memory import huge_page_zeros
 
 
 def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -30,6 +32,8 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 def allocate_kv_caches(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer."""
+    """One zeroed cache tensor per layer; on the CPU each on huge pages, where the kernel grants them."""
     shape = (2, num_blocks, block_size, *_row_shape(config, dtype))
+    if device.type == "cpu":
+        return [huge_page_zeros(shape, dtype) for _ in range(config.num_hidden_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

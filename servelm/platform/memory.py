@@ -23,7 +23,13 @@ Decoding one sequence streams every weight once per token, which on 4 KiB
 pages misses the TLB at every page; ``huge_page_copies`` places tensors
 in a mapping that asks Linux for 2 MiB transparent huge pages (``madvise``,
 granted where ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise``
-or ``always``); bench/gemm.py times servelm's GEMV on both.
+or ``always``); bench/gemm.py times servelm's GEMV on both. The KV cache
+comes from such a mapping too (``huge_page_zeros``): decoding reads each
+sequence's blocks scattered over it, and on 4 KiB pages both the rate and
+how it varied from process to process depended on where the kernel put them
+(docs/BENCHMARKS.md). Its pages are written once when it is made, as
+``torch.zeros`` writes its own: the cache's memory is taken at start, where a
+shortage shows, not when its last blocks are first used.
 """
 
 from __future__ import annotations
@@ -108,6 +114,14 @@ def _huge_page_bytes(nbytes: int) -> torch.Tensor:
     start = (-ctypes.addressof(view)) % _HUGE_PAGE
     del view  # a live ctypes export would keep the mapping from ever closing
     return torch.frombuffer(mem, dtype=torch.uint8, count=nbytes, offset=start)
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor of ``shape`` and ``dtype`` in its own mapping, 2 MiB aligned, that asks for
+    transparent huge pages (plain pages where the kernel or platform says no), every page already written
+    (resident, as ``torch.zeros``'s are)."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return _huge_page_bytes(nbytes).view(dtype).view(shape).zero_()
 
 
 def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelm.platform.memory import huge_page_copies, keep_freed_memory
+from servelm.platform.memory import huge_page_copies, huge_page_zeros, keep_freed_memory
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -149,3 +149,14 @@ def test_huge_page_copies_hold_their_values_past_the_callers_references():
         assert copy.data_ptr() % 64 == 0  # each starts on a cache line: the kernels' vector loads
     copies[0].add_(1)
     assert torch.equal(copies[0], sources[0] + 1) and torch.equal(copies[1], sources[1])  # no overlap
+
+
+def test_huge_page_zeros_are_zeroed_2mib_aligned_and_each_its_own():
+    cache = huge_page_zeros((2, 3, 16, 2, 68), torch.int8)  # an int8 KV cache's shape
+    other = huge_page_zeros((5, 7), torch.bfloat16)
+    assert cache.shape == (2, 3, 16, 2, 68) and cache.dtype == torch.int8 and cache.is_contiguous()
+    assert other.shape == (5, 7) and other.dtype == torch.bfloat16
+    assert not cache.any() and not other.any()
+    assert cache.data_ptr() % (2 << 20) == 0 and other.data_ptr() % (2 << 20) == 0  # huge-page boundaries
+    cache.fill_(3)
+    assert (cache == 3).all() and not other.any()
