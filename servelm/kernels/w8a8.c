@@ -159,6 +159,12 @@ static const tile_fn TILES[TILE_ROWS][TILE_BLOCKS] = {TILE_ROW(1), TILE_ROW(2), 
                                                       TILE_ROW(4), TILE_ROW(5), TILE_ROW(6)};
 #endif
 
+/* The first 16-output block of panel p: the units (blocks, or gate/up pairs of them) split evenly over the
+ * panels. Panel p is blocks panel_block(p) .. panel_block(p + 1) - 1. */
+static inline int64_t panel_block(int64_t p, int64_t units, int64_t panels, int64_t unit) {
+    return p * units / panels * unit;
+}
+
 void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *packed, const float *scales,
                const void *bias, int64_t N, int flags, void *out, int nthreads) {
 #ifdef W8A8_VNNI
@@ -187,8 +193,9 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
         const int64_t t = omp_get_thread_num(), n = omp_get_num_threads(), q0 = panels / n, extra = panels % n;
         const int64_t p = t * q0 + (t < extra ? t : extra);
         if (p < panels) {
-            const int64_t u0 = p * units / panels, bytes = ((p + 1) * units / panels - u0) * unit * 16 * Kp;
-            const char *w = (const char *)(packed + u0 * unit * 16 * Kp);
+            const int64_t b0 = panel_block(p, units, panels, unit);
+            const int64_t bytes = (panel_block(p + 1, units, panels, unit) - b0) * 16 * Kp;
+            const char *w = (const char *)(packed + b0 * 16 * Kp);
             for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(w + line, _MM_HINT_T1);
         }
     }
@@ -197,8 +204,9 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
     _Pragma("omp for collapse(2) schedule(static) nowait") /* the region's end waits */
     for (int64_t p = 0; p < panels; p++)
         for (int64_t c = 0; c < chunks; c++) {
-            const int64_t u0 = p * units / panels, blocks = ((p + 1) * units / panels - u0) * unit;
-            const int64_t n0 = u0 * unit * 16, m0 = c * CHUNK_ROWS;
+            const int64_t b0 = panel_block(p, units, panels, unit);
+            const int64_t blocks = panel_block(p + 1, units, panels, unit) - b0;
+            const int64_t n0 = b0 * 16, m0 = c * CHUNK_ROWS;
             const int64_t rows = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
             if (blocks == 0) continue; /* more panels than blocks */
             const int8_t *w = packed + n0 * Kp;

@@ -43,8 +43,7 @@ static inline void quantize_row(const void *x, int x_bf16, int64_t m, int64_t K,
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) /* four at a time, each its own maximum: no mask, no chain through one register */
         for (int j = 0; j < 4; j++) {
-            const __m512 v = x_bf16 ? widen16_bits(_mm256_loadu_si256((const __m256i *)(xb + k + 16 * j)))
-                                    : _mm512_loadu_ps(xf + k + 16 * j);
+            const __m512 v = x_bf16 ? widen16(xb + k + 16 * j) : _mm512_loadu_ps(xf + k + 16 * j);
             most[j] = _mm512_max_ps(most[j], _mm512_abs_ps(v));
         }
     amax = _mm512_max_ps(_mm512_max_ps(most[0], most[1]), _mm512_max_ps(most[2], most[3]));
@@ -67,8 +66,7 @@ static inline void quantize_row(const void *x, int x_bf16, int64_t m, int64_t K,
     for (k = 0; k + 64 <= K; k += 64) {
         __m512i part[4];
         for (int j = 0; j < 4; j++) {
-            const __m512 v = x_bf16 ? widen16_bits(_mm256_loadu_si256((const __m256i *)(xb + k + 16 * j)))
-                                    : _mm512_loadu_ps(xf + k + 16 * j);
+            const __m512 v = x_bf16 ? widen16(xb + k + 16 * j) : _mm512_loadu_ps(xf + k + 16 * j);
             part[j] = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
         }
         const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(part[0], part[1]), _mm512_packs_epi32(part[2], part[3]));
