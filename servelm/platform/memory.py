@@ -120,7 +120,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor of ``shape`` and ``dtype`` in its own mapping, 2 MiB aligned, that asks for
     transparent huge pages (plain pages where the kernel or platform says no), every page already written
     (resident, as ``torch.zeros``'s are)."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     return _huge_page_bytes(nbytes).view(dtype).view(shape).zero_()
 
 
