@@ -26,16 +26,16 @@ _REPLACEMENT = "\ufffd"
 
 
 class TextDecoder(Protocol):
-    """What the detokenizer needs of a Hugging Face tokenizer."""
+    """What the detokenizer needs of a tokenizer: the text of ids, without clean-up of tokenization spaces
+    (:func:`servelm.models.tokenizer.text_decoder` makes one of a Hugging Face tokenizer)."""
 
-    def decode(self, ids: list[int], *, skip_special_tokens: bool, clean_up_tokenization_spaces: bool) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...
 
 
 class IncrementalDetokenizer:
     """Turns one sequence's generated tokens into text for the client, as they come.
 
-    ``tokenizer`` is a Hugging Face tokenizer (anything with ``decode(ids,
-    skip_special_tokens=..., clean_up_tokenization_spaces=...)``). Without
+    ``tokenizer`` decodes ids to text (a :class:`TextDecoder`). Without
     stop strings, the emitted chunks (``add_token`` then ``flush``) add up to
     ``tokenizer.decode(generated_ids)``, except that the first token is read
     after the end of the prompt. With stop strings, they add up to that text
@@ -104,11 +104,7 @@ class IncrementalDetokenizer:
         return emitted
 
     def _decode(self, ids: list[int]) -> str:
-        # Clean-up of tokenization spaces rewrites text around later tokens,
-        # so it cannot be applied a piece at a time.
-        return self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        return self._tokenizer.decode(ids, self._skip_special_tokens)
 
     def _decode_new_text(self) -> str:
         text = self._decode(self._ids[self._prefix_offset :])

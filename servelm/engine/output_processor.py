@@ -121,7 +121,7 @@ class OutputProcessor:
             _Choice(
                 seq=seq,
                 index=index,
-                detok=IncrementalDetokenizer(self._tokenizer.hf, prompt_token_ids, params),
+                detok=IncrementalDetokenizer(self._tokenizer.text_decoder, prompt_token_ids, params),
                 logprobs=[] if params.logprobs is not None else None,
                 parser=get_format(params.tool_call_parser).parser() if params.tool_call_parser else None,
             )

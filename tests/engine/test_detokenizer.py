@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from servelm.engine.detokenizer import IncrementalDetokenizer, find_stop, held_back_length
 from servelm.engine.sampling_params import SamplingParams
+from servelm.models.tokenizer import text_decoder
 
 TEXTS = [
     "Hello, world! This is a test of the detokenizer.",
@@ -33,7 +34,7 @@ def tok():
 
 def run(tok, ids, params=None, prompt_ids=()):
     """Feed ``ids`` one by one; returns (chunks, stop, detokenizer). Flushes unless a stop string ended it."""
-    detok = IncrementalDetokenizer(tok, list(prompt_ids), params or SamplingParams())
+    detok = IncrementalDetokenizer(text_decoder(tok), list(prompt_ids), params or SamplingParams())
     chunks = []
     for token_id in ids:
         text, stop = detok.add_token(token_id)
@@ -135,11 +136,29 @@ def test_earliest_stop_wins_and_include_stop_str(tok):
 
 def test_held_back_text_is_released_by_flush(tok):
     ids = tok.encode("Hello world")
-    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["world!!!"]))
+    detok = IncrementalDetokenizer(text_decoder(tok), [], SamplingParams(stop=["world!!!"]))
     emitted = "".join(detok.add_token(t)[0] for t in ids)
     assert emitted == "Hello " and detok.output_text == "Hello "
     assert detok.flush() == "world"
     assert detok.output_text == "Hello world" and detok.stop_reason is None
+
+
+def test_text_decoder_decodes_as_the_tokenizer_without_clean_up(tok):
+    from transformers import PreTrainedTokenizerFast
+
+    class Cleaning(PreTrainedTokenizerFast):  # a tokenizer class with its own decoding
+        def _decode(self, token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=None, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens, clean_up_tokenization_spaces, **kwargs).upper()
+
+    assert text_decoder(tok) is tok.backend_tokenizer  # the stock class: its backend straight away
+    own = Cleaning(tokenizer_object=tok.backend_tokenizer)
+    rng = random.Random(1)
+    for _ in range(50):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
+        for skip in (False, True):
+            want = tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert text_decoder(tok).decode(ids, skip) == want
+            assert text_decoder(own).decode(ids, skip) == want.upper()
 
 
 def test_stop_helpers():

@@ -13,9 +13,9 @@ class CharTokenizer:
     """Token id i is the character chr(i): decoding is joining."""
 
     def __init__(self):
-        self.hf = self
+        self.text_decoder = self
 
-    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+    def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids)
 
     def token_bytes(self, token_id):
