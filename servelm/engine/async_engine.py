@@ -1,8 +1,7 @@
 """The async engine: a background thread runs ``LLMEngine.step()`` in a loop.
 
 asyncio callers submit requests and aborts through a locked inbox; each step's
-outputs go back to the callers' event loops with ``call_soon_threadsafe``,
-one call into each loop a step.
+outputs go back to the callers' event loops with ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -28,29 +27,14 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
-Item = RequestOutput | BaseException
-
-
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Item]
+    queue: asyncio.Queue[RequestOutput | BaseException]
 
-
-def _put_all(puts: list[tuple[asyncio.Queue[Item], Item]]) -> None:
-    for queue, item in puts:
-        queue.put_nowait(item)
-
-
-def _hand_over(puts: list[tuple[_Stream, Item]]) -> None:
-    """Put each item in its stream's queue, with one call into each event loop: a step's outputs wake a
-    loop once, not once per request."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Item], Item]]] = {}
-    for stream, item in puts:
-        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
-    for loop, items in by_loop.items():
+    def put(self, item: RequestOutput | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
-            loop.call_soon_threadsafe(_put_all, items)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncLLMEngine:
@@ -172,7 +156,8 @@ class AsyncLLMEngine:
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue
-                self._deliver([(out.request_id, out) for out in self.engine.step()])
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
         except BaseException as exc:
             logger.exception("engine loop died")
             self.dead_error = exc
@@ -181,8 +166,9 @@ class AsyncLLMEngine:
                 f"the engine stopped: {self.dead_error!r}" if self.dead_error else "the engine stopped"
             )
             with self._lock:
-                streams = list(self._streams.values())
-            _hand_over([(stream, err) for stream in streams])
+                streams = list(self._streams.items())
+            for _rid, stream in streams:
+                stream.put(err)
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -199,12 +185,12 @@ class AsyncLLMEngine:
                     grammar=grammar,
                 )
             except Exception as exc:
-                self._deliver([(request_id, exc)])
+                self._deliver(request_id, exc)
         for request_id in aborts:
             self.engine.abort_request(request_id)
 
-    def _deliver(self, items: list[tuple[str, Item]]) -> None:
-        """Hand each (request id, output or error) to its request's stream, if it still has one."""
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
-            puts = [(self._streams[rid], item) for rid, item in items if rid in self._streams]
-        _hand_over(puts)
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)

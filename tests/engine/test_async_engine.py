@@ -9,7 +9,7 @@ import re
 import pytest
 
 from servelm import SamplingParams
-from servelm.engine.async_engine import AsyncLLMEngine, _put_all
+from servelm.engine.async_engine import AsyncLLMEngine
 from servelm.engine.outputs import accumulate
 from servelm.engine.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
@@ -44,31 +44,6 @@ async def test_concurrent_streams_match_one_at_a_time(engine):
         assert total.outputs[0].token_ids == exp
         assert deltas > 1  # streamed, not one final blob
         assert total.num_generated_tokens == 10
-
-
-async def test_a_steps_outputs_reach_the_event_loop_in_one_call(engine, monkeypatch):
-    loop = asyncio.get_running_loop()
-    step, call = engine.engine.step, loop.call_soon_threadsafe
-    per_step: list[int] = []  # outputs of each step that had some
-    per_call: list[int] = []  # outputs each call into the loop carried
-
-    def counted_step():
-        outputs = step()
-        if outputs:
-            per_step.append(len(outputs))
-        return outputs
-
-    def counted_call(callback, *args, **kwargs):
-        if callback is _put_all:
-            per_call.append(len(args[0]))
-        return call(callback, *args, **kwargs)
-
-    monkeypatch.setattr(engine.engine, "step", counted_step)
-    monkeypatch.setattr(loop, "call_soon_threadsafe", counted_call)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    results = await asyncio.gather(*(_collect(engine, f"one-call{i}", [7 + i] * 5, params) for i in range(5)))
-    assert sum(deltas for _, deltas in results) == sum(per_step) > len(per_step)
-    assert per_call == per_step
 
 
 async def test_leaving_the_stream_aborts_and_frees_blocks(engine):
