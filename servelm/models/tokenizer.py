@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from servelm.engine.detokenizer import TextDecoder
 from servelm.engine.tool_parsers import AUTO, get_format, resolve_format
 from servelm.models.token_bytes import TokenBytes
 from servelm.models.tool_prompt import template_reads_tools, tool_messages
@@ -17,7 +18,8 @@ _UNSET_MAX_LENGTH = 10**12
 
 
 class Tokenizer:
-    """Wraps a ``PreTrainedTokenizerFast``; ``hf`` is the wrapped one (the detokenizer uses it).
+    """Wraps a ``PreTrainedTokenizerFast``; ``hf`` is the wrapped one, ``text_decoder`` what the engine's
+    incremental detokenizers decode with (:func:`text_decoder`).
 
     ``eos_token_ids`` gathers every id that ends generation: the model config's,
     generation_config.json's and the tokenizer's own eos.
@@ -48,7 +50,7 @@ class Tokenizer:
         self.max_model_len: int | None = max_model_len
         self._template_reads_tools: dict[str, bool] = {}  # by template text (the model's, an override)
         self._token_bytes: TokenBytes | None = None
-        self.text_decoder = text_decoder(hf)  # what the engine's incremental detokenizers decode with
+        self.text_decoder = text_decoder(hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token strings in it become their ids."""
@@ -143,7 +145,7 @@ class _CleanUpOff:
         return self._hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
-def text_decoder(hf: Any) -> Any:
+def text_decoder(hf: Any) -> TextDecoder:
     """``decode(ids, skip_special_tokens)`` of ``hf`` (a Hugging Face tokenizer) without clean-up: the
     ``tokenizers`` backend itself where ``hf`` decodes through it unchanged (a third of the time a call,
     twice a generated token), else ``hf.decode`` with clean-up off."""

@@ -146,12 +146,12 @@ def test_held_back_text_is_released_by_flush(tok):
 def test_text_decoder_decodes_as_the_tokenizer_without_clean_up(tok):
     from transformers import PreTrainedTokenizerFast
 
-    class Cleaning(PreTrainedTokenizerFast):  # a tokenizer class with its own decoding
+    class OwnDecoding(PreTrainedTokenizerFast):  # a tokenizer class that decodes its own way
         def _decode(self, token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=None, **kwargs):
             return super()._decode(token_ids, skip_special_tokens, clean_up_tokenization_spaces, **kwargs).upper()
 
     assert text_decoder(tok) is tok.backend_tokenizer  # the stock class: its backend straight away
-    own = Cleaning(tokenizer_object=tok.backend_tokenizer)
+    own = OwnDecoding(tokenizer_object=tok.backend_tokenizer)
     rng = random.Random(1)
     for _ in range(50):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
