@@ -134,13 +134,20 @@ void bf16_gemm_pairs_amx(const uint16_t *x, int64_t M, int64_t K, const uint16_t
  * returns whether w8a8_gemm runs it now. */
 #define W8A8_SILU_MUL 1
 #define W8A8_F32_OUT 2
+/* The GEMM that runs next on the same rows (decode_step.c's next layer), whose first weights a call with
+ * one chunk of rows asks for while it ends: its packed weight, N, K and flags. */
+struct w8a8_next {
+    const int8_t *packed;
+    int64_t N, K;
+    int flags;
+};
 int w8a8_supported(void);
 int w8a8_use_amx(int want);
 int64_t w8a8_packed_bytes(int64_t N, int64_t K);
 int w8a8_packed_matches(const int8_t *packed, int64_t bytes, int64_t N, int64_t K);
 void w8a8_pack(const int8_t *w, int64_t N, int64_t K, int8_t *packed, int nthreads);
 void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *packed, const float *scales,
-               const void *bias, int64_t N, int flags, void *out, int nthreads);
+               const void *bias, int64_t N, int flags, void *out, int nthreads, const struct w8a8_next *next);
 
 /* decode_step.c: a linear layer [out_features, in_features], as the model's layer keeps it for the rows a
  * step decodes: LINEAR_PLAIN, a bfloat16 weight (one row); LINEAR_PAIRS, bfloat16 in gemv.c's pair layout (up

@@ -268,7 +268,8 @@ at::Tensor w8a8_linear(const at::Tensor &x_arg, const at::Tensor &packed, const 
     if (x.size(0) == 0) return out;
     ::w8a8_gemm(x.data_ptr(), x.scalar_type() == at::kBFloat16, x.size(0), x.size(1), packed.data_ptr<int8_t>(),
                 scales.data_ptr<float>(), bias_arg ? bias.data_ptr() : nullptr, out_features,
-                (silu_mul ? W8A8_SILU_MUL : 0) | (float_out ? W8A8_F32_OUT : 0), out.data_ptr(), at::get_num_threads());
+                (silu_mul ? W8A8_SILU_MUL : 0) | (float_out ? W8A8_F32_OUT : 0), out.data_ptr(), at::get_num_threads(),
+                nullptr);
     return out;
 }
 

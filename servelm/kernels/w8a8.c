@@ -18,7 +18,7 @@
  * 16 outputs keeps its sums in registers, each row's 4 bytes broadcast
  * against each block's vector; threads split the outputs into panels of
  * up to TILE_BLOCKS blocks, evenly (a panel's weights stay in the core's L2
- * while every row passes over them, and they prefetch the next panel's).
+ * while every row passes over them, and they prefetch the next panel's, or the next call's first).
  * Elsewhere w8a8_supported() is 0 and callers keep PyTorch's path. Built at first use by servelm/kernels.
  *
  * On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) the same packed
@@ -165,8 +165,35 @@ static inline int64_t panel_block(int64_t p, int64_t units, int64_t panels, int6
     return p * units / panels * unit;
 }
 
+/* How a call splits an N x K weight into panels: its output blocks (in gate/up pairs for silu) evenly into
+ * panels of up to TILE_BLOCKS; with one chunk of rows (decoding) as many panels as a multiple of the threads,
+ * so that each gets the same share (9 panels of 4 at N = 576 went 5 and 4 to two threads). */
+struct split {
+    int64_t Np, Kp, unit, units, panels;
+};
+
+static struct split split_weight(int64_t N, int64_t K, int silu, int64_t chunks, int nthreads) {
+    struct split s = {round_up(N, 16), round_up(K, K_ALIGN), silu ? 2 : 1, 0, 0};
+    s.units = s.Np / 16 / s.unit;
+    s.panels = (s.Np / 16 + TILE_BLOCKS - 1) / TILE_BLOCKS;
+    if (chunks == 1) s.panels = round_up(s.panels, nthreads);
+    return s;
+}
+
+/* Panel p's weights: where they start and, in *bytes, how many. */
+static const char *panel_weights(const int8_t *packed, const struct split *s, int64_t p, int64_t *bytes) {
+    const int64_t b0 = panel_block(p, s->units, s->panels, s->unit);
+    *bytes = p < s->panels ? (panel_block(p + 1, s->units, s->panels, s->unit) - b0) * 16 * s->Kp : 0;
+    return (const char *)(packed + b0 * 16 * s->Kp);
+}
+
+/* The first of the panels that thread t of n works on under the static schedule of one chunk of rows. */
+static inline int64_t first_panel(int64_t panels, int64_t t, int64_t n) {
+    return t * (panels / n) + (t < panels % n ? t : panels % n);
+}
+
 void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *packed, const float *scales,
-               const void *bias, int64_t N, int flags, void *out, int nthreads) {
+               const void *bias, int64_t N, int flags, void *out, int nthreads, const struct w8a8_next *next) {
 #ifdef W8A8_VNNI
     struct out_spec o = {NULL, scales, NULL, bias, x_bf16, !!(flags & W8A8_SILU_MUL), !!(flags & W8A8_F32_OUT), N, out};
 #ifdef W8A8_AMX
@@ -175,55 +202,60 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
         return;
     }
 #endif
-    const int64_t Np = round_up(N, 16), Kp = round_up(K, K_ALIGN);
+    const int64_t chunks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const struct split s = split_weight(N, K, o.silu, chunks, nthreads);
+    const int64_t Np = s.Np, Kp = s.Kp, panels = s.panels;
     o.comp = (const int32_t *)(packed + Np * Kp);
     uint8_t *q = aligned_alloc(64, (size_t)round_up(M * Kp, 64));
     float *row_scales = malloc(sizeof(float) * (size_t)M);
     o.row_scales = row_scales;
-    /* The output blocks (in gate/up pairs for silu) split evenly into panels of up to TILE_BLOCKS; with one
-     * chunk of rows (decoding) as many panels as a multiple of the threads, so that each gets the same share
-     * (9 panels of 4 at N = 576 went 5 and 4 to two threads). */
-    const int64_t chunks = (M + CHUNK_ROWS - 1) / CHUNK_ROWS, unit = o.silu ? 2 : 1, units = Np / 16 / unit;
-    int64_t panels = (Np / 16 + TILE_BLOCKS - 1) / TILE_BLOCKS;
-    if (chunks == 1) panels = round_up(panels, nthreads);
     /* One parallel region for both loops: on a busy machine each region's start waits until every thread
      * is scheduled again, which can cost more than the GEMM itself. */
     _Pragma("omp parallel num_threads(nthreads)") {
-    if (chunks == 1) { /* this thread's first panel (the static split's) on its way to L2 while the rows round */
-        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads(), q0 = panels / n, extra = panels % n;
-        const int64_t p = t * q0 + (t < extra ? t : extra);
-        if (p < panels) {
-            const int64_t b0 = panel_block(p, units, panels, unit);
-            const int64_t bytes = (panel_block(p + 1, units, panels, unit) - b0) * 16 * Kp;
-            const char *w = (const char *)(packed + b0 * 16 * Kp);
-            for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(w + line, _MM_HINT_T1);
-        }
+    /* With one chunk of rows (decoding) each thread's panels are a run of them: its first on its way to L2
+     * while the rows round (the call before may have asked for it already); while its last multiplies, this
+     * thread's first of the next call (next: decode_step.c's next GEMM on the same rows, split as that call
+     * will split it), or nothing. Per decoding step of 32 rows (SmolLM2, w8a8), the forward 1.1-2.0% faster
+     * against none, steps alternating in one process (docs/BENCHMARKS.md). */
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t mine = first_panel(panels, t, n), last = first_panel(panels, t + 1, n) - 1;
+    int64_t after_bytes = 0;
+    const char *after = NULL; /* what this thread's last panel prefetches */
+    if (chunks == 1 && next) {
+        const struct split later = split_weight(next->N, next->K, !!(next->flags & W8A8_SILU_MUL), 1, nthreads);
+        after = panel_weights(next->packed, &later, first_panel(later.panels, t, n), &after_bytes);
+    }
+    if (chunks == 1 && mine < panels) {
+        int64_t bytes;
+        const char *w = panel_weights(packed, &s, mine, &bytes);
+        for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(w + line, _MM_HINT_T1);
     }
     _Pragma("omp for schedule(static)")
     for (int64_t m = 0; m < M; m++) quantize_row(x, x_bf16, m, K, Kp, 128, 64, q + m * Kp, row_scales + m);
     _Pragma("omp for collapse(2) schedule(static) nowait") /* the region's end waits */
     for (int64_t p = 0; p < panels; p++)
         for (int64_t c = 0; c < chunks; c++) {
-            const int64_t b0 = panel_block(p, units, panels, unit);
-            const int64_t blocks = panel_block(p + 1, units, panels, unit) - b0;
-            const int64_t n0 = b0 * 16, m0 = c * CHUNK_ROWS;
-            const int64_t rows = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
+            int64_t bytes, pf_bytes = 0;
+            const int8_t *w = (const int8_t *)panel_weights(packed, &s, p, &bytes);
+            const int64_t blocks = bytes / 16 / Kp, n0 = panel_block(p, s.units, panels, s.unit) * 16;
+            const int64_t m0 = c * CHUNK_ROWS, rows = M - m0 < CHUNK_ROWS ? M - m0 : CHUNK_ROWS;
             if (blocks == 0) continue; /* more panels than blocks */
-            const int8_t *w = packed + n0 * Kp;
             /* Decoding (one chunk of rows) streams the weights from memory once a call: while a panel's tiles
-             * multiply, each prefetches an even share of the next panel's weights (most likely this thread's
-             * next item) into L2, a line or more a step of K. Against none, 32 rows from memory ran 1.1-1.4x
-             * (`bench/w8a8_gemm.py --copies 24`, Zen 5); all of it in the first tile gained nothing. */
-            const int64_t after = Np / 16 - n0 / 16 - blocks; /* blocks after this panel's */
-            const int64_t pf_bytes = chunks == 1 ? (after < blocks ? after : blocks) * 16 * Kp : 0;
+             * multiply, each prefetches an even share of this thread's next panel's weights into L2 (or,
+             * after its last, the next call's first), a line or more a step of K. Against none, 32 rows from
+             * memory ran 1.1-1.4x (`bench/w8a8_gemm.py --copies 24`, Zen 5); all of it in the first tile
+             * gained nothing. */
+            const char *pf_at = NULL;
+            if (chunks == 1 && p < last) pf_at = panel_weights(packed, &s, p + 1, &pf_bytes);
+            if (chunks == 1 && p == last) pf_at = after, pf_bytes = after_bytes;
             const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
             const int64_t share = round_up((pf_bytes + tiles - 1) / tiles, 64);
             const int64_t lines = (share / 64 + Kp / 4 - 1) / (Kp / 4); /* a step of K */
             int32_t sums[TILE_ROWS][64] __attribute__((aligned(64)));
-            for (int64_t m = m0, t = 0; m < m0 + rows; m += TILE_ROWS, t++) {
+            for (int64_t m = m0, i = 0; m < m0 + rows; m += TILE_ROWS, i++) {
                 const int r = M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS;
-                const int64_t left = pf_bytes - t * share;
-                const char *pf = left > 0 ? (const char *)(w + 16 * blocks * Kp + t * share) : NULL;
+                const int64_t left = pf_bytes - i * share;
+                const char *pf = left > 0 ? pf_at + i * share : NULL;
                 TILES[r - 1][blocks - 1](q + m * Kp, Kp, w, sums, pf, left < share ? left : share, lines);
                 scale_out(sums, r, 16 * blocks, m, n0, &o);
             }
