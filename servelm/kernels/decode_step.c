@@ -18,16 +18,17 @@
 #include "bf16.h"
 #include "kernels.h"
 
-/* The layer after l, for w8a8_gemm to ask for its first weights (NULL: none, or not a W8A8 layer). */
-struct after {
-    const struct linear *l;
-    int64_t K, N;
-};
+/* What w8a8_gemm needs of the layer l [N, K] that runs next, to ask for its first weights: packed NULL where
+ * there is none or it is not a W8A8 layer. */
+static struct w8a8_next then(const struct linear *l, int64_t K, int64_t N) {
+    if (!l || l->kind != LINEAR_W8A8) return (struct w8a8_next){NULL, 0, 0, 0};
+    return (struct w8a8_next){l->weight, N, K, l->silu_mul ? W8A8_SILU_MUL : 0};
+}
 
 /* As models.packed.PackedLinear, models.quantization.Int8Linear and models.w8a8.W8A8Linear compute it for
  * `rows` rows (the int8 layer adds its bias in bfloat16 after rounding, as PyTorch does). */
 static void linear(const struct linear *l, const uint16_t *x, int64_t rows, int64_t K, int64_t N, uint16_t *out,
-                   int nthreads, struct after after) {
+                   int nthreads, struct w8a8_next next) {
     switch (l->kind) {
     case LINEAR_PAIRS:
         if (rows > l->vector_rows)
@@ -35,13 +36,10 @@ static void linear(const struct linear *l, const uint16_t *x, int64_t rows, int6
         else
             bf16_gemm_pairs(x, rows, K, l->weight, l->bias, N, out, nthreads);
         return;
-    case LINEAR_W8A8: {
-        const struct w8a8_next next = {after.l ? after.l->weight : NULL, after.N, after.K,
-                                       after.l && after.l->silu_mul ? W8A8_SILU_MUL : 0};
+    case LINEAR_W8A8:
         w8a8_gemm(x, 1, rows, K, l->weight, (const float *)l->scales, l->bias, N, l->silu_mul ? W8A8_SILU_MUL : 0,
-                  out, nthreads, after.l && after.l->kind == LINEAR_W8A8 ? &next : NULL);
+                  out, nthreads, next.packed ? &next : NULL);
         return;
-    }
     case LINEAR_INT8:
         int8_linear_bf16(x, K, l->weight, (const uint16_t *)l->scales, N, out, nthreads);
         if (l->bias)
@@ -74,10 +72,8 @@ void decode_step_bf16(const struct decoder *m, uint16_t *x, int64_t rows, const 
         const struct decoder_layer *l = m->layers + i;
         /* The first layer's input is the embedding itself; later ones add x to the residual first. */
         add_rms_norm_bf16(x, i ? residual : NULL, l->input_norm, normed, rows, hidden, m->eps, nthreads);
-        const struct after none = {NULL, 0, 0}, then_gate_up = {&l->gate_up, hidden, 2 * inter},
-                           then_down = {&l->down, inter, hidden},
-                           then_qkv = {i + 1 < m->num_layers ? &m->layers[i + 1].qkv : NULL, hidden, qkv_size};
-        linear(&l->qkv, normed, rows, hidden, qkv_size, qkv, nthreads, none); /* attention comes between */
+        const struct linear *next_qkv = i + 1 < m->num_layers ? &m->layers[i + 1].qkv : NULL;
+        linear(&l->qkv, normed, rows, hidden, qkv_size, qkv, nthreads, then(NULL, 0, 0)); /* attention between */
         rope_bf16(qkv, rows, qkv_size, m->heads + m->kv_heads, D, m->cos_sin, positions, nthreads);
         if (m->kv_int8) {
             write_kv_int8(l->k_cache, l->v_cache, qkv + q_size, qkv + q_size + kv_size, 1, qkv_size, slots, rows,
@@ -90,15 +86,15 @@ void decode_step_bf16(const struct decoder *m, uint16_t *x, int64_t rows, const 
             paged_decode_bf16(qkv, qkv_size, l->k_cache, l->v_cache, tables, max_blocks, lens, attn, rows, m->heads,
                               m->kv_heads, D, m->block_size, m->scale, nthreads);
         }
-        linear(&l->o, attn, rows, q_size, hidden, x, nthreads, then_gate_up);
+        linear(&l->o, attn, rows, q_size, hidden, x, nthreads, then(&l->gate_up, hidden, 2 * inter));
         add_rms_norm_bf16(x, residual, l->post_norm, normed, rows, hidden, m->eps, nthreads);
         if (l->gate_up.silu_mul) { /* the gate/up GEMM writes SiLU * up itself */
-            linear(&l->gate_up, normed, rows, hidden, 2 * inter, act, nthreads, then_down);
+            linear(&l->gate_up, normed, rows, hidden, 2 * inter, act, nthreads, then(&l->down, inter, hidden));
         } else {
-            linear(&l->gate_up, normed, rows, hidden, 2 * inter, gate_up, nthreads, then_down);
+            linear(&l->gate_up, normed, rows, hidden, 2 * inter, gate_up, nthreads, then(&l->down, inter, hidden));
             silu_mul_bf16(gate_up, act, rows, inter, nthreads);
         }
-        linear(&l->down, act, rows, inter, hidden, x, nthreads, then_qkv);
+        linear(&l->down, act, rows, inter, hidden, x, nthreads, then(next_qkv, hidden, qkv_size));
     }
     add_rms_norm_bf16(x, residual, m->final_norm, normed, rows, hidden, m->eps, nthreads);
     memcpy(x, normed, sizeof(uint16_t) * (size_t)(rows * hidden));
