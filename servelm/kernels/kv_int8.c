@@ -212,12 +212,14 @@ static inline void value_order(const __m512 tot[4], float scale, uint16_t *out, 
     }
 }
 
-/* out[r] (G query heads, D apart) = sum over t < len of p[r * len + t] * v_t, over the int8 values of one KV
- * head at v_rows[t] (D values, then their scale): each row's weights times the values' scales, rounded to
- * 15 bits of their largest (w: room for G * (len + 1) int16), then summed by value_sums; in float32 at part
- * (same layout) where it is not NULL. per_pair lines of `ahead` are prefetched a pair of keys. */
-static void int8_values(const float *p, int64_t len, int64_t G, int64_t D, const void **v_rows, float *v_scales,
-                        int16_t *w, uint16_t *out, float *part, struct prefetch_stream *ahead, int64_t per_pair) {
+/* out[r] (G query heads, D apart) = sum over t < len of p[r * len + t] / sums[r] * v_t, over the int8 values of
+ * one KV head at v_rows[t] (D values, then their scale): each row's weights times the values' scales, rounded
+ * to 15 bits of their largest (w: room for G * (len + 1) int16), then summed by value_sums, the row's 1 /
+ * sums[r] applied with the rounding's unit (p: softmax's weights before their division by the sum); in
+ * float32 at part (same layout) where it is not NULL. per_pair lines of `ahead` are prefetched a pair of keys. */
+static void int8_values(const float *p, const float *sums, int64_t len, int64_t G, int64_t D, const void **v_rows,
+                        float *v_scales, int16_t *w, uint16_t *out, float *part, struct prefetch_stream *ahead,
+                        int64_t per_pair) {
     const int64_t pairs = (len + 1) / 2, w_stride = 2 * pairs;
     float unit[G]; /* a row's weight 1 */
     row_scales(v_rows, len, D, v_scales);
@@ -237,7 +239,7 @@ static void int8_values(const float *p, int64_t len, int64_t G, int64_t D, const
             _mm256_mask_storeu_epi16(wr + t, m, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x, to_int))));
         }
         if (len % 2) wr[len] = 0; /* the last pair's missing key */
-        unit[r] = most / 32767.f;
+        unit[r] = most / 32767.f / sums[r];
     }
     for (int64_t d0 = 0; d0 < D; d0 += 64)
         for (int64_t r0 = 0; r0 < G; r0 += 4) {
@@ -297,12 +299,18 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
             if (!decode_scores_amx_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores))
                 decode_scores_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores, row_at,
                                    &values);
-            for (int64_t r = 0; r < rows; r++) softmax_(scores + r * len, len, part ? part + rows * D + 2 * r : NULL);
+            /* Softmax's weights left undivided: each row's sum goes into its values' unit instead (a pass over
+             * the scores fewer; a 32-row w8a8 decoding step 0.7-1.1% faster, steps alternating in one process). */
+            float sums[rows], largest;
+            for (int64_t r = 0; r < rows; r++) {
+                sums[r] = softmax_weights_(scores + r * len, len, &largest);
+                if (part) part[rows * D + 2 * r] = largest, part[rows * D + 2 * r + 1] = sums[r];
+            }
             const int64_t per_pair = stream_lines_per(&keys, heads * (D / 64) * ((G + 3) / 4) * ((len + 1) / 2));
             for (int64_t hh = 0; hh < heads; hh++) {
                 row_pointers(v_cache + (h0 + hh) * row, table, len, block_size, KVH * row, row_at);
                 prefetch_rows(row_at, len, row);
-                int8_values(scores + hh * G * len, len, G, D, row_at, v_scales, weights,
+                int8_values(scores + hh * G * len, sums + hh * G, len, G, D, row_at, v_scales, weights,
                             out + (b * H + (h0 + hh) * G) * D, part ? part + hh * G * D : NULL, &keys, per_pair);
             }
             decode_item_done(&plan, item, H, G, out, 1);
