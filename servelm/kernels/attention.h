@@ -118,6 +118,21 @@ static inline void prefetch_rows(const void **rows, int64_t len, int64_t bytes) 
         for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)rows[t] + o, _MM_HINT_T1);
 }
 
+/* The first `bytes` of each of rows 0..len (row t at base + (token t's slot) * row_bytes) into L2, from the
+ * block table: where bytes is the whole row, each block's rows as one run of lines. */
+static inline void prefetch_blocks(const void *base, const int64_t *table, int64_t len, int64_t block_size,
+                                   int64_t row_bytes, int64_t bytes) {
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
+        const char *block = (const char *)base + table[b] * block_size * row_bytes;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        if (bytes == row_bytes)
+            for (int64_t o = 0; o < n * row_bytes; o += 64) _mm_prefetch(block + o, _MM_HINT_T1);
+        else
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(block + i * row_bytes + o, _MM_HINT_T1);
+    }
+}
+
 /* The 16 keys from t0 that are among the first len (t0 + i < len): the rest are a block's unused slots, stale,
  * or keys a row does not see. */
 static inline __mmask16 valid_keys(int64_t t0, int64_t len) {
