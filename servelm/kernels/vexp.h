@@ -70,11 +70,10 @@ static inline __m512 softmax_weight16(__m512 x, __m512 m) {
 }
 #endif
 
-/* s[t] = exp(s[t] - the largest of s) for t < len, in place, in float32: softmax's weights before their
- * division by the sum, which it returns; the largest goes to *largest. */
-static inline float softmax_weights_(float *s, int64_t len, float *largest) {
+/* s[t] = exp(s[t] - mx) for t < len, in place, in float32, mx the largest of s: softmax's weights before their
+ * division by the sum, which it returns. */
+static inline float softmax_weights_(float *s, int64_t len, float mx) {
 #ifdef __AVX512F__
-    const float mx = largest_(s, len);
     const __m512 m = _mm512_set1_ps(mx);
     const __mmask16 tail = (__mmask16)((1u << (len % 16)) - 1);
     __m512 vsum = _mm512_setzero_ps();
@@ -87,30 +86,29 @@ static inline float softmax_weights_(float *s, int64_t len, float *largest) {
     const __m512 e = softmax_weight16(_mm512_maskz_loadu_ps(tail, s + t), m);
     _mm512_mask_storeu_ps(s + t, tail, e);
     vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
-    const float sum = _mm512_reduce_add_ps(vsum);
+    return _mm512_reduce_add_ps(vsum);
 #else
-    float mx = s[0], sum = 0.f;
-    for (int64_t t = 1; t < len; t++) mx = s[t] > mx ? s[t] : mx;
+    float sum = 0.f;
     _Pragma("omp simd reduction(+:sum)")
     for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - mx); sum += s[t]; }
-#endif
-    *largest = mx;
     return sum;
+#endif
 }
 
 /* s[0..len) = softmax(s[0..len)), in place, in float32. Where stats is not NULL, stats[0] = the largest of s
  * and stats[1] = the sum of exp(s[t] - it) (a part of a longer softmax, merged later). */
 static inline void softmax_(float *s, int64_t len, float *stats) {
-    float mx;
-    const float sum = softmax_weights_(s, len, &mx);
 #ifdef __AVX512F__
+    const float mx = largest_(s, len), sum = softmax_weights_(s, len, mx);
     const __mmask16 tail = (__mmask16)((1u << (len % 16)) - 1);
     const __m512 inv = _mm512_set1_ps(1.f / sum);
     int64_t t = 0;
     for (; t + 16 <= len; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
     _mm512_mask_storeu_ps(s + t, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + t), inv));
 #else
-    const float inv = 1.f / sum;
+    float mx = s[0];
+    for (int64_t t = 1; t < len; t++) mx = s[t] > mx ? s[t] : mx;
+    const float sum = softmax_weights_(s, len, mx), inv = 1.f / sum;
     _Pragma("omp simd")
     for (int64_t t = 0; t < len; t++) s[t] *= inv;
 #endif
