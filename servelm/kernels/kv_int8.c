@@ -97,14 +97,14 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
  * 16 keys at keys[j] + off (int8 rows of D, a multiple of 64), by vpdpbusd: each 64-dim chunk of the 16 keys,
  * flipped to unsigned (k + 128), transposed so that vector p holds dims 4p .. 4p + 3 of every key, times each
  * row's 4 dims broadcast; the flip adds 128 * sum q_r, which the caller takes off. */
-static inline __attribute__((always_inline)) void key_sums(const uint32_t *qw, const int8_t *const *keys, int64_t off,
+static inline __attribute__((always_inline)) void key_sums(const uint32_t *qw, const void *const *keys, int64_t off,
                                                           int64_t D, int ROWS, __m512i *sums) {
     __m512i acc[4][2];
     UNROLL for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
     for (int64_t c = 0; c < D / 64; c++) {
         __m512i k[16];
         UNROLL for (int j = 0; j < 16; j++)
-            k[j] = _mm512_xor_si512(_mm512_loadu_si512(keys[j] + off + 64 * c), _mm512_set1_epi8((char)0x80));
+            k[j] = _mm512_xor_si512(_mm512_loadu_si512((const int8_t *)keys[j] + off + 64 * c), _mm512_set1_epi8((char)0x80));
         transpose16(k);
         UNROLL for (int p = 0; p < 16; p++) /* two chains a row: the adds' latency, not their rate, bounds one */
             UNROLL for (int r = 0; r < ROWS; r++)
@@ -146,7 +146,7 @@ static void decode_scores_int8(const uint16_t *q, int64_t rows, int64_t G, int64
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
             stream_prefetch(ahead, per_chunk);
             const int64_t n = len - t0 < 16 ? len - t0 : 16;
-            const int8_t *const *at = (const int8_t *const *)(keys + t0), *tail[16];
+            const void *const *at = keys + t0, *tail[16];
             if (n < 16) { /* past len, the chunk's first key again: its sums are never stored */
                 for (int j = 0; j < 16; j++) tail[j] = keys[t0 + (j < n ? j : 0)];
                 at = tail;
