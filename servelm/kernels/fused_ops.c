@@ -17,7 +17,8 @@
 
 /* Threads pay off from about 16 thousand elements: with SmolLM2's norms (18,432 elements) and RoPE (30,720) at
  * 32 decoding rows threaded (serial below 32,768 before), and the int8 K/V writes, a 32-row step's forward ran
- * 1.7-2.8% faster, steps alternating in one process (docs/BENCHMARKS.md). */
+ * 2.2-3.0% faster with w8a8 and the int8 cache, 0.8-1.0% in bfloat16, steps alternating in one process
+ * (docs/BENCHMARKS.md). */
 #define PARALLEL _Pragma("omp parallel for schedule(static) num_threads(nthreads) if(rows * width >= 16384)")
 
 /* out[i] = w * round(x * rsqrt(mean(x^2) + eps)) per row of ``hidden``; with
