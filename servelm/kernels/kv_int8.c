@@ -308,7 +308,7 @@ int paged_decode_int8(const uint16_t *q, int64_t q_stride, const int8_t *k_cache
                                    keys = decode_item_stream(&plan, next, k_cache, row, heads, KVH * row, tables,
                                                              max_blocks, block_size);
             float largest[rows], sums[rows];
-            if (decode_scores_amx_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores))
+            if (decode_scores_amx_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores, &values))
                 for (int64_t r = 0; r < rows; r++) largest[r] = largest_(scores + r * len, len);
             else /* each row's largest found as its scores were stored (0.5-0.8% faster a 32-row w8a8 step) */
                 decode_scores_int8(qb, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores, largest,

@@ -84,7 +84,7 @@ int decode_scores_bf16(const uint16_t *q, int64_t rows, int64_t G, int64_t D, co
                        int64_t h0, const int64_t *table, int64_t block_size, int64_t len, float scale,
                        float *scores, const void **keys, struct prefetch_stream *ahead) {
     if (D % 32) return 0;
-    if (decode_scores_amx(q, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores)) return 1;
+    if (decode_scores_amx(q, rows, G, D, k_cache, KVH, h0, table, block_size, len, scale, scores, ahead)) return 1;
     row_pointers(k_cache + h0 * D, table, len, block_size, KVH * D * (int64_t)sizeof(uint16_t), keys);
     prefetch_rows(keys, len, rows / G * D * (int64_t)sizeof(uint16_t)); /* all of the item's heads, first */
     if (D == 64)
