@@ -63,7 +63,7 @@ int decode_scores_amx(const uint16_t *q, int64_t rows, int64_t G, int64_t D, con
     float tile[16][16] __attribute__((aligned(64))); /* [key][query head] */
     const int64_t chunks = D / 32, key_stride = 2 * KVH * D; /* bytes between a block's rows */
     /* The values into L2 meanwhile, as decode_scores_amx_int8's (a 32-row decoding step 2.8-4.2% faster) */
-    const int64_t per_chunk = stream_lines_per(ahead, rows / G * ((len + 15) / 16));
+    const int64_t per_chunk = ahead ? stream_lines_per(ahead, rows / G * ((len + 15) / 16)) : 0;
     amx_configure();
     for (int64_t hh = 0; hh < rows / G; hh++) {
         memset(q_pairs, 0, (size_t)chunks * sizeof q_pairs[0]);
@@ -193,7 +193,7 @@ int decode_scores_amx_int8(const uint16_t *q, int64_t rows, int64_t G, int64_t D
     /* The item's values come into L2 while the keys are multiplied, a few lines a tile: a 32-row w8a8 decoding
      * step over the int8 cache 5.4-6.1% faster (AMX VM; without, 15% of its time went to the values' first
      * reads). */
-    const int64_t per_chunk = stream_lines_per(ahead, rows / G * ((len + 15) / 16));
+    const int64_t per_chunk = ahead ? stream_lines_per(ahead, rows / G * ((len + 15) / 16)) : 0;
     amx_configure();
     for (int64_t hh = 0; hh < rows / G; hh++) {
         memset(q_quads, 0, (size_t)chunks * sizeof q_quads[0]);
