@@ -141,7 +141,9 @@ static float row_stats(const float *x, int64_t V, float *largest, int64_t *at) {
     }
     *largest = m;
     *at = -1;
-    float sum = 0.f;
+    /* double: without AVX-512 the loop below sums every exp one after another, and a float32 sum of 150,000
+     * terms drifted 50x further from the true logsum than PyTorch's (5e-5 against 7e-7, Zen 1 with AVX2). */
+    double sum = 0.;
     int64_t searched = 0; /* x[0..searched) holds no m unless *at says where */
     i = 0;
     if (f32_is_finite(m)) {
@@ -156,7 +158,7 @@ static float row_stats(const float *x, int64_t V, float *largest, int64_t *at) {
             }
             vs = _mm512_add_ps(vs, exp16(_mm512_max_ps(_mm512_sub_ps(v, vmax), floor)));
         }
-        sum = _mm512_reduce_add_ps(vs);
+        sum = (double)_mm512_reduce_add_ps(vs);
         searched = i;
 #endif
         for (; i < V; i++) sum += expf(x[i] - m);
@@ -169,7 +171,7 @@ static float row_stats(const float *x, int64_t V, float *largest, int64_t *at) {
             }
     if (*at < 0) *at = 0; /* cannot happen: m is one of x's values */
     if (!f32_is_finite(m)) return NAN;
-    return logf(sum);
+    return (float)log(sum);
 }
 
 void log_softmax_stats_f32(const float *x, int64_t rows, int64_t V, int64_t stride, float *largest, int64_t *at,

@@ -55,9 +55,9 @@ static float row_largest(const float *x, int64_t V) {
 
 /* w[i] = exp((x[i] - m) * scale) for i in [0, n), 0 for an x[i] of -inf, and their sum (w NULL: the sum
  * alone). */
-static float weights(const float *x, int64_t n, float m, float scale, float *w) {
+static double weights(const float *x, int64_t n, float m, float scale, float *w) {
     int64_t i = 0;
-    float sum = 0.f;
+    double sum = 0.; /* without AVX-512, one add after another: in float32 a row's logsum drifted 1.8e-5 */
 #ifdef __AVX512F__
     __m512 vs = _mm512_setzero_ps();
     const __m512 vmax = _mm512_set1_ps(m), vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-200.f);
@@ -67,7 +67,7 @@ static float weights(const float *x, int64_t n, float m, float scale, float *w) 
         if (w) _mm512_storeu_ps(w + i, e);
         vs = _mm512_add_ps(vs, e);
     }
-    sum = _mm512_reduce_add_ps(vs);
+    sum = (double)_mm512_reduce_add_ps(vs);
 #endif
     for (; i < n; i++) {
         const float z = (x[i] - m) * scale, e = z > -200.f ? expf(z) : 0.f;
@@ -83,9 +83,9 @@ struct kept {
 };
 
 /* The sum of the kept weights of w[0..n) (a banned token, x of -inf, weighs 0 and adds nothing). */
-static float kept_sum(const float *x, const float *w, int64_t n, struct kept keep) {
+static double kept_sum(const float *x, const float *w, int64_t n, struct kept keep) {
     int64_t i = 0;
-    float sum = 0.f;
+    double sum = 0.;
 #ifdef __AVX512F__
     __m512 vs = _mm512_setzero_ps();
     const __m512 xf = _mm512_set1_ps(keep.x_floor), wf = _mm512_set1_ps(keep.w_floor);
@@ -95,7 +95,7 @@ static float kept_sum(const float *x, const float *w, int64_t n, struct kept kee
                             _mm512_cmp_ps_mask(wv, wf, _CMP_GE_OQ);
         vs = _mm512_mask_add_ps(vs, k, vs, wv);
     }
-    sum = _mm512_reduce_add_ps(vs);
+    sum = (double)_mm512_reduce_add_ps(vs);
 #endif
     for (; i < n; i++)
         if (x[i] >= keep.x_floor && w[i] >= keep.w_floor) sum += w[i];
@@ -315,9 +315,9 @@ static int64_t draw_row(const float *x, int64_t V, float scale, int64_t top_k, f
     if (!f32_is_finite(m)) return -1;
     const int plain = !truncates(top_k, top_p, min_p, V);
     struct kept keep = {-INFINITY, 0.f};
-    float raw = -1.f; /* the sum of exp(x - m), once known */
+    double raw = -1.; /* the sum of exp(x - m), once known */
     if (!plain) {
-        const float sum = weights(x, V, m, scale, w);
+        const double sum = weights(x, V, m, scale, w);
         if (scale == 1.f) raw = sum;
         if (top_k > 0 && top_k < V) keep.x_floor = kth_largest(x, V, top_k);
         if (top_p < 1.f) /* over top-k's tokens, before min-p, as the PyTorch stages go */
@@ -328,13 +328,16 @@ static int64_t draw_row(const float *x, int64_t V, float scale, int64_t top_k, f
     float block[DRAW_BLOCK];
     const int64_t nblocks = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
     float block_sums[nblocks], total = 0.f;
+    double exact = 0.; /* the blocks' sums before their rounding to float32: the logsum's */
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t start = b * DRAW_BLOCK, n = V - start < DRAW_BLOCK ? V - start : DRAW_BLOCK;
-        block_sums[b] = plain ? weights(x + start, n, m, scale, block) : kept_sum(x + start, w + start, n, keep);
+        const double sum = plain ? weights(x + start, n, m, scale, block) : kept_sum(x + start, w + start, n, keep);
+        block_sums[b] = (float)sum;
         total += block_sums[b];
+        exact += sum;
     }
-    if (plain && scale == 1.f) raw = total;
-    *logsum = logf(raw >= 0.f ? raw : weights(x, V, m, 1.f, NULL));
+    if (plain && scale == 1.f) raw = exact;
+    *logsum = (float)log(raw >= 0. ? raw : weights(x, V, m, 1.f, NULL));
     float target = u * total;
     int64_t b = 0;
     for (; b < nblocks - 1 && target >= block_sums[b]; b++) target -= block_sums[b];

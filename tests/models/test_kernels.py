@@ -266,7 +266,9 @@ def test_log_softmax_stats_is_log_softmax_without_writing_it(native, vocab):
     expected_max, expected_index = x.max(dim=-1)
     assert torch.equal(index, expected_index)
     torch.testing.assert_close(largest, expected_max, equal_nan=True, rtol=0, atol=0)
-    torch.testing.assert_close(x - largest[:, None] - logsum[:, None], torch.log_softmax(x, dim=-1), equal_nan=True)
+    # Against the log-softmax in float64: PyTorch's own in float32 is 3e-5 off at 151936 on some CPUs (AVX2).
+    exact = torch.log_softmax(x.double(), dim=-1).float()
+    torch.testing.assert_close(x - largest[:, None] - logsum[:, None], exact, equal_nan=True)
     assert logsum[1:4].isnan().all() and not logsum[[0, 4, 5]].isnan().any()
 
 
