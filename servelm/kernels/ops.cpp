@@ -200,13 +200,14 @@ at::Tensor gemm_pairs(const at::Tensor &x_arg, const at::Tensor &pairs, int64_t 
                       const std::optional<at::Tensor> &bias, bool amx) {
     const char *op = "gemm_pairs";
     check_cpu(op, {&x_arg, &pairs});
-    CHECK_ARG(bf16_pairs_supported(), op, ": this CPU has no AVX512-BF16, so no pair layout (pack_pairs gives None)");
     CHECK_ARG(x_arg.dim() == 2 && x_arg.scalar_type() == at::kBFloat16 && pairs.scalar_type() == at::kBFloat16 &&
                   pairs.is_contiguous() && out_features % 32 == 0 && x_arg.size(1) % 2 == 0 &&
                   pairs.numel() == out_features * x_arg.size(1),
               op, ": x and the packed weight must be bfloat16 and of agreeing shapes");
     at::Tensor bias_holder;
     const uint16_t *b = bias_bits(op, bias, out_features, bias_holder);
+    // After the arguments' own checks, so that a caller's mistake reads the same on every CPU.
+    CHECK_ARG(bf16_pairs_supported(), op, ": this CPU has no AVX512-BF16, so no pair layout (pack_pairs gives None)");
     const at::Tensor x = x_arg.contiguous();
     at::Tensor out = at::empty({x.size(0), out_features}, x.options());
     if (amx) {

@@ -97,6 +97,9 @@ def test_rejects_inputs_it_cannot_read(native):
         native.gemm_pairs(torch.zeros(2, 8, dtype=torch.bfloat16), pairs, 32)
     with pytest.raises(ValueError, match="bias"):
         native.gemm_pairs(torch.zeros(2, 16, dtype=torch.bfloat16), pairs, 32, torch.zeros(16, dtype=torch.bfloat16))
+    if native.pack_pairs(torch.zeros(32, 16, dtype=torch.bfloat16)) is None:  # well-formed, on a CPU without it
+        with pytest.raises(ValueError, match="no AVX512-BF16"):
+            native.gemm_pairs(torch.zeros(2, 16, dtype=torch.bfloat16), pairs, 32)
     assert native.pack_pairs(torch.zeros(32, 16)) is None  # float32: no pair layout
     qweight, scales = torch.zeros(3, 16, dtype=torch.int8), torch.ones(3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one bfloat16 row"):
