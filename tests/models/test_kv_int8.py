@@ -62,8 +62,10 @@ def test_prefills_and_decodes_over_an_int8_cache(cpu_ops, num_heads, num_kv_head
     """Both paths (native kernels, and PyTorch's gather + SDPA) at model shapes: fresh prompts, a prompt
     behind a cached prefix, a one-token chunk and decodes, all over the rounded K/V."""
     case = int8_case(*PREFILLS_AND_DECODES, num_heads, num_kv_heads, head_dim, block_size, seed=11)
-    # PyTorch's path attends a fresh prompt over its own K/V before rounding: a little further off.
-    tol = 2e-2 if cpu_ops == "native" else 5e-2
+    # PyTorch's path attends a fresh prompt over its own K/V before rounding: a little further off. The native
+    # prefill kernel runs where its int8 decoding does (AVX512-BF16, head dims a multiple of 64).
+    native_prefill = cpu_ops == "native" and kernels.cpu_kernels().decodes_int8_cache(head_dim)
+    tol = 2e-2 if native_prefill else 5e-2
     torch.testing.assert_close(run_bf16(case).float(), case.expected, atol=tol, rtol=tol)
 
 
@@ -220,16 +222,17 @@ def test_engine_config_names_the_cache_dtypes():
 
 @pytest.fixture(scope="module")
 def greedy_pair(model_path):
-    """The bundled model's greedy completions of a few prompts, batched and one at a time (the one-call
-    decoder's path where the cache is bfloat16), with a bfloat16 cache and with an int8 one."""
+    """The bundled model's greedy completions of a few prompts (with each token's two likeliest), batched and
+    one at a time (the one-call decoder's path where the cache is bfloat16), with a bfloat16 cache and with an
+    int8 one."""
     from servelm import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colors are"]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     runs = {}
     for kv in ("auto", "int8"):
         llm = LLM(str(model_path), dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20, kv_cache_dtype=kv)
-        batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        batched = [o.outputs[0] for o in llm.generate(prompts, params)]
         alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts[:2]]
         runs[kv] = (llm.engine.runner, batched, alone)
     return runs
@@ -237,17 +240,26 @@ def greedy_pair(model_path):
 
 def test_engine_serves_from_an_int8_cache_of_twice_the_tokens(greedy_pair):
     """The same memory holds about twice the tokens ((64 + 4) bytes a row against 128), and greedy text stays
-    close to the bfloat16 cache's: int8 rounding flips near ties, after which this small model's text forks
-    (docs/BENCHMARKS.md measures the agreement and perplexity; 69 of these 96 tokens were measured)."""
+    the bfloat16 cache's until int8 rounding flips a near tie, after which this small model's text forks
+    (docs/BENCHMARKS.md measures the agreement and perplexity). How many of the tokens agree depends on where
+    the forks fall, which moves with the CPU's arithmetic (69 of these 96 on AVX-512 CPUs, 56 on an AVX2 one):
+    each fork is checked to be at a near tie instead."""
     (bf16_runner, bf16_batched, bf16_alone), (int8_runner, int8_batched, int8_alone) = (
         greedy_pair["auto"],
         greedy_pair["int8"],
     )
     assert int8_runner.kv_caches[0].dtype == torch.int8
     assert int8_runner.num_blocks == pytest.approx(bf16_runner.num_blocks * 128 / 68, rel=0.01)
-    same = sum(x == y for a, b in zip(bf16_batched, int8_batched) for x, y in zip(a, b))
-    assert same >= 0.6 * sum(map(len, bf16_batched))
-    assert int8_batched[0][:3] == bf16_batched[0][:3]  # " Paris" and what follows it
+    for exact, rounded in zip(bf16_batched, int8_batched, strict=True):
+        fork = next((i for i, (x, y) in enumerate(zip(exact.token_ids, rounded.token_ids)) if x != y), None)
+        if fork is None:
+            continue
+        # The bfloat16 cache's two likeliest there: the int8 cache's choice among them, a quarter nat apart at most
+        # (at the forks seen, 0 and 0.125: bfloat16 logits tie exactly, or all but).
+        likeliest = {t.token_id: t.logprob for t in exact.logprobs[fork].top}
+        assert rounded.token_ids[fork] in likeliest
+        assert likeliest[exact.token_ids[fork]] - likeliest[rounded.token_ids[fork]] <= 0.25
+    assert int8_batched[0].token_ids[:3] == bf16_batched[0].token_ids[:3]  # " Paris" and what follows it
     # One sequence alone decodes over the int8 cache too (in one native call where its kernel runs).
     assert [len(t) for t in int8_alone] == [24, 24]
     assert int8_alone[0][:3] == bf16_alone[0][:3]
