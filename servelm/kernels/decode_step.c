@@ -46,7 +46,7 @@ static void linear(const struct linear *l, const uint16_t *x, int64_t rows, int6
             for (int64_t n = 0; n < N; n++) out[n] = f32_to_bf16(bf16_to_f32(out[n]) + bf16_to_f32(l->bias[n]));
         return;
     default: /* LINEAR_PLAIN */
-        bf16_gemv(x, K, l->weight, l->bias, N, out, nthreads);
+        bf16_gemv(x, rows, K, l->weight, l->bias, N, out, nthreads);
     }
 }
 

@@ -114,9 +114,12 @@ void draw_f32(const float *x, int64_t rows, int64_t V, int64_t stride, const flo
 void top_values_f32(const float *x, int64_t V, int64_t stride, const int64_t *rows, int64_t n, int64_t k,
                     float *values, int64_t *ids, int nthreads);
 
-/* gemv.c */
-void bf16_gemv(const uint16_t *x, int64_t K, const uint16_t *w, const uint16_t *bias, int64_t N, uint16_t *out,
-               int nthreads);
+/* gemv.c: out [M, N] = x [M, K] W^T (+ bias) over a plain weight, for one row and a few (each row summed as
+ * when it comes alone) */
+void bf16_gemv(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, const uint16_t *bias, int64_t N,
+               uint16_t *out, int nthreads);
+void f32_gemv(const float *x, int64_t M, int64_t K, const float *w, const float *bias, int64_t N, float *out,
+              int nthreads);
 void int8_linear_bf16(const uint16_t *x, int64_t K, const int8_t *w, const uint16_t *scales, int64_t N,
                       uint16_t *out, int nthreads);
 int bf16_pairs_supported(void);

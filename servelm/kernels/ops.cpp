@@ -171,17 +171,29 @@ const uint16_t *bias_bits(const char *op, const std::optional<at::Tensor> &bias,
 at::Tensor gemv(const at::Tensor &x_arg, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
     const char *op = "gemv";
     check_cpu(op, {&x_arg, &weight});
-    CHECK_ARG(x_arg.dim() == 2 && x_arg.size(0) == 1 && x_arg.scalar_type() == at::kBFloat16 &&
-                  weight.scalar_type() == at::kBFloat16,
-              op, ": x must be one bfloat16 row, weight and bias bfloat16");
+    const bool f32 = x_arg.scalar_type() == at::kFloat;
+    CHECK_ARG(x_arg.dim() == 2 && (f32 || x_arg.scalar_type() == at::kBFloat16) &&
+                  weight.scalar_type() == x_arg.scalar_type(),
+              op, ": x must be rows [M, in_features], bfloat16 or float32, and the weight (and bias) of its dtype");
     CHECK_ARG(weight.dim() == 2 && x_arg.size(1) == weight.size(1) && weight.is_contiguous() &&
                   (!bias || (bias->dim() == 1 && bias->size(0) == weight.size(0))),
               op, ": x, weight and bias shapes disagree (or the weight is not contiguous)");
-    at::Tensor bias_holder;
-    const uint16_t *b = bias_bits(op, bias, weight.size(0), bias_holder);
     const at::Tensor x = x_arg.contiguous();
-    at::Tensor out = at::empty({1, weight.size(0)}, x.options());
-    bf16_gemv(bits(x), x.size(1), bits(weight), b, weight.size(0), bits(out), at::get_num_threads());
+    at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+    at::Tensor bias_holder;
+    if (f32) {
+        if (bias) {
+            check_cpu(op, {&*bias});
+            CHECK_ARG(bias->scalar_type() == at::kFloat, op, ": bias must be of x's dtype");
+            bias_holder = bias->contiguous();
+        }
+        f32_gemv(x.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(),
+                 bias ? bias_holder.data_ptr<float>() : nullptr, weight.size(0), out.data_ptr<float>(),
+                 at::get_num_threads());
+        return out;
+    }
+    const uint16_t *b = bias_bits(op, bias, weight.size(0), bias_holder);
+    bf16_gemv(bits(x), x.size(0), x.size(1), bits(weight), b, weight.size(0), bits(out), at::get_num_threads());
     return out;
 }
 

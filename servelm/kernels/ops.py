@@ -223,8 +223,10 @@ class CpuKernels:
         return self._int8_linear(x, qweight, scales)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T + b`` for one bfloat16 row ``x`` ``[1, K]``, ``weight`` ``[N, K]`` and ``bias`` ``[N]``
-        bfloat16, summed in float32 and rounded once, as oneDNN's linear does. Returns ``[1, N]``."""
+        """``x W^T + b`` for rows ``x`` ``[M, K]`` (one, or a few: it reads ``weight`` once for all, and sums
+        each row exactly as it sums that row alone), ``weight`` ``[N, K]`` and ``bias`` ``[N]``, all bfloat16
+        or all float32, summed in float32 (and rounded once to bfloat16), as oneDNN's linear does. Returns
+        ``[M, N]``."""
         return self._gemv(x, weight, bias)
 
     def pack_pairs(self, weight: torch.Tensor) -> torch.Tensor | None:

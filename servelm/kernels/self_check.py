@@ -67,8 +67,10 @@ def self_check(kernels: CpuKernels) -> None:
     int8_expected = row.double() @ (qweight.double() * scales.double()[:, None]).T
     checks["int8_linear"] = (lambda dt: kernels.int8_linear(row, qweight, scales), int8_expected)
     weight, bias = (qweight.double() * scales.double()[:, None]).to(torch.bfloat16), res[0, :12].to(torch.bfloat16)
-    gemv_expected = row.double() @ weight.double().T + bias.double()
-    checks["gemv"] = (lambda dt: kernels.gemv(row, weight, bias), gemv_expected)
+    rows = x.to(torch.bfloat16)  # three rows, each summed as when it comes alone (_check_gemv_rows_alike)
+    gemv_expected = rows.double() @ weight.double().T + bias.double()
+    checks["gemv"] = (lambda dt: kernels.gemv(rows.to(dt), weight.to(dt), bias.to(dt)), gemv_expected)
+    _check_gemv_rows_alike(kernels, rows, weight, bias)
     wide = torch.cat([weight, weight.flip(0), weight[:8]])  # 32 outputs: one block pair of the pair layout
     pairs = kernels.pack_pairs(wide)
     if pairs is not None:
@@ -96,8 +98,8 @@ def self_check(kernels: CpuKernels) -> None:
     _check_prefill(kernels, gen)
     for name, (run, expected) in checks.items():
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-            if name in ("int8_linear", "gemv", "gemm_pairs", "gemm_pairs_amx"):
-                tol = 1e-2  # bfloat16 in and out whatever the model's dtype
+            if name in ("int8_linear", "gemm_pairs", "gemm_pairs_amx") or (name, dtype) == ("gemv", torch.bfloat16):
+                tol = 1e-2  # bfloat16 in and out whatever the model's dtype (gemv: in bfloat16)
             if name == "log_softmax_stats":
                 tol = 1e-5  # float32 logits whatever the model's dtype
             got = run(dtype).double()
@@ -106,6 +108,16 @@ def self_check(kernels: CpuKernels) -> None:
             if not torch.allclose(got, expected.double(), atol=tol, rtol=tol):
                 raise RuntimeError(f"{name} in {dtype} differs from PyTorch's by {(got - expected).abs().max():.3g}")
     _check_int8_cache(kernels, gen)
+
+
+def _check_gemv_rows_alike(kernels: CpuKernels, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    """gemv sums each of several rows bit for bit as it sums that row alone: a speculative step's verified rows
+    rely on it for plain decoding's greedy output (models/packed.py)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, b = rows.to(dtype), weight.to(dtype), bias.to(dtype)
+        alone = torch.cat([kernels.gemv(x[i : i + 1], w, b) for i in range(x.shape[0])])
+        if not torch.equal(kernels.gemv(x, w, b), alone):
+            raise RuntimeError(f"gemv in {dtype} sums a row among others differently from that row alone")
 
 
 def _check_prefill(kernels: CpuKernels, gen: torch.Generator) -> None:

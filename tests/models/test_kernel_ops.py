@@ -109,8 +109,12 @@ def test_rejects_inputs_it_cannot_read(native):
     with pytest.raises(ValueError, match="shapes"):
         native.int8_linear(torch.zeros(1, 8, dtype=torch.bfloat16), qweight, scales)
     weight = torch.zeros(3, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="one bfloat16 row"):
-        native.gemv(x.bfloat16(), weight)
+    with pytest.raises(ValueError, match="must be rows"):
+        native.gemv(x[0].bfloat16(), weight)  # one dimension
+    with pytest.raises(ValueError, match="of its dtype"):
+        native.gemv(x[:1], weight)  # float32 x, bfloat16 weight
+    with pytest.raises(ValueError, match="of x's dtype"):
+        native.gemv(x[:1], weight.float(), torch.zeros(3, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="shapes"):
         native.gemv(x[:1].bfloat16(), weight.t().contiguous().t())  # not contiguous
     with pytest.raises(ValueError, match="shapes"):

@@ -220,16 +220,19 @@ def test_int8_linear_matches_pytorchs_int8_kernel(native, in_features, out_featu
 # Odd shapes: rows left over from groups of four, columns from whole vectors.
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (100, 7), (33, 9)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_matches_the_linear_layer(native, in_features, out_features, with_bias):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_matches_the_linear_layer(native, in_features, out_features, with_bias, dtype):
     gen = torch.Generator().manual_seed(4)
-    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
-    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
-    x = torch.randn(1, in_features, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     got = native.gemv(x, weight, bias)
-    assert got.dtype == torch.bfloat16 and got.shape == (1, out_features)
-    # float32 sums rounded once to bfloat16
-    torch.testing.assert_close(got.double(), expected, rtol=8e-3, atol=1e-3 * expected.abs().max().item())
+    assert got.dtype == dtype and got.shape == (1, out_features)
+    if dtype == torch.bfloat16:  # float32 sums rounded once to bfloat16
+        torch.testing.assert_close(got.double(), expected, rtol=8e-3, atol=1e-3 * expected.abs().max().item())
+    else:  # float32 sums in another order than float64's
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
