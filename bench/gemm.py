@@ -13,7 +13,10 @@ over plain weights as PyTorch allocates them, once over copies on transparent
 huge pages (``huge_page_copies``, where the model runner puts them). For up
 to 64 rows, where the CPU has AVX512-BF16, it also times servelm's small-GEMM
 kernel over the pair layout (``PackedLinear(pair_rows=PAIR_MAX_ROWS)``, what decoding
-runs on such a CPU) against the packed weights.
+runs on such a CPU) against the packed weights. Last, for up to 64 rows in
+float32 and in bfloat16, servelm's matrix-vector kernel over the plain weight
+read once for all the rows (``packed.plain_rows``, what decoding runs on an
+AVX2 CPU) against oneDNN's packed weights, alternating, with the speed-up.
 
     .venv/bin/python bench/gemm.py --rows 1 8 32 128 512
 """
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm import kernels
-from servelm.models.packed import PAIR_MAX_ROWS, PackedLinear, can_pack
+from servelm.models.packed import PAIR_MAX_ROWS, PackedLinear, can_pack, native_bf16_matmul
 from servelm.platform.memory import huge_page_copies
 
 HIDDEN, FFN, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
@@ -57,7 +60,8 @@ def main() -> None:
     args = ap.parse_args()
 
     packable = can_pack(torch.bfloat16, torch.device("cpu"))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 packing available: {packable}")
+    widened = "" if native_bf16_matmul() else " (packed as float32: no bfloat16 instructions)"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 packing available: {packable}{widened}")
     shapes = _shapes(not args.no_head)
     weights = {dt: [torch.randn(o, i).to(dt) for o, i in shapes] for dt in (torch.float32, torch.bfloat16)}
     packed = [PackedLinear(w) for w in weights[torch.bfloat16]] if packable else []
@@ -88,6 +92,7 @@ def main() -> None:
                 print(f"{m:>6} {fp32:>9.1f} {bf16:>9.1f} {'-':>10} {'-':>12} {'-':>12}")
         if packed and kernels.cpu_kernels() is not None:
             _gemv_against_packed(weights[torch.bfloat16], packed, args.repeats)
+            _plain_rows_against_packed(weights, [m for m in args.rows if m <= PAIR_MAX_ROWS], args.repeats)
 
 
 def _gemv_against_packed(weights: list[torch.Tensor], packed: list[PackedLinear], repeats: int) -> None:
@@ -110,6 +115,26 @@ def _gemv_against_packed(weights: list[torch.Tensor], packed: list[PackedLinear]
             for name, t in ms.items()
         )
     )
+
+
+def _plain_rows_against_packed(weights: dict[torch.dtype, list[torch.Tensor]], rows: list[int], repeats: int) -> None:
+    print(f"{'dtype':>9} {'M':>4} {'packed ms':>10} {'plain ms':>9} {'plain/packed':>13}")
+    for dt, ws in weights.items():
+        layers = [PackedLinear(w, keep_plain=True) for w in ws]
+        for layer in layers:
+            layer.plain_rows = PAIR_MAX_ROWS  # every row count here, to show where it stops paying
+        for m in rows:
+            x = {i: torch.randn(m, i).to(dt) for i in (HIDDEN, FFN)}
+            runs = {
+                "packed": lambda x=x, ls=layers: [p.forward_packed(x[p.in_features]) for p in ls],
+                "plain": lambda x=x, ls=layers: [p(x[p.in_features]) for p in ls],
+            }
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            for _ in range(3):  # alternate, so that a noisy moment hits both
+                for name, run in runs.items():
+                    times[name].append(_median_ms(run, repeats))
+            pk, pl = statistics.median(times["packed"]), statistics.median(times["plain"])
+            print(f"{str(dt).removeprefix('torch.'):>9} {m:>4} {pk:>10.1f} {pl:>9.1f} {pk / pl:>12.2f}x")
 
 
 if __name__ == "__main__":

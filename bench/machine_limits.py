@@ -10,7 +10,9 @@ divides each server's achieved FLOP/s and bytes/s by these figures::
   N x K weights for each ``--gemm`` shape (default 2048x896x4864 and
   2048x2048x8192: the MLP of Qwen2.5-0.5B and of Llama-3.2-1B on 2048 prefill
   tokens), plain and with the weight prepacked by oneDNN (servelm's
-  ``PackedLinear``) where that is available.
+  ``PackedLinear``) where that is available. On a CPU without bfloat16
+  instructions (AVX2) ``PackedLinear`` multiplies in float32 over the weight
+  widened once, the rate a bfloat16 model runs at there; the line says so.
 - int8 GEMM: ``torch._int_mm`` (int8 x int8 -> int32) and the quantized
   engines' linear (``onednn``, ``x86``, ``fbgemm``: uint8 activations times
   int8 weights, int32 accumulation, requantized output) on the same shapes.
@@ -100,7 +102,10 @@ def _bf16_candidates(m: int, k: int, n: int) -> list[tuple[str, Callable[[], Cal
         x, layer = torch.randn(m, k).to(torch.bfloat16), PackedLinear(torch.randn(n, k).to(torch.bfloat16))
         return lambda: layer(x)
 
-    return [(f"F.linear bf16 {m}x{k}x{n}", plain), (f"oneDNN prepacked bf16 {m}x{k}x{n}", packed)]
+    from servelm.models.packed import native_bf16_matmul
+
+    widened = "" if native_bf16_matmul() else " (in float32)"
+    return [(f"F.linear bf16 {m}x{k}x{n}", plain), (f"oneDNN prepacked bf16{widened} {m}x{k}x{n}", packed)]
 
 
 def _int8_candidates(m: int, k: int, n: int) -> list[tuple[str, Callable[[], Callable[[], object]]]]:

@@ -137,7 +137,6 @@ struct Decoder : torch::CustomClassHolder {
         default:
             CHECK_ARG(weight.scalar_type() == at::kBFloat16 && !scales.has_value(), kOp, ": ", name,
                       " must be bfloat16, or int8 with scales");
-            CHECK_ARG(kind == LINEAR_PAIRS || rows == 1, kOp, ": ", name, "'s plain weight serves one row");
             CHECK_ARG(kind != LINEAR_PAIRS || (bf16_pairs_supported() && N % 32 == 0 && K % 2 == 0), kOp, ": ",
                       name, " cannot be in the pair layout");
             CHECK_ARG(kind != LINEAR_PAIRS || rows <= vector_rows || bf16_pairs_amx_supported(K), kOp, ": ", name,

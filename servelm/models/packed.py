@@ -1,16 +1,27 @@
-"""Linear layers with oneDNN-prepacked bfloat16 weights, for CPU inference.
+"""Linear layers with oneDNN-prepacked bfloat16 or float32 weights, for CPU inference.
 
 oneDNN multiplies faster when a weight is stored once in its own blocked
 layout than when it reorders a plain weight on every call, most of all for
-the few rows of a decoding step (``bench/gemm.py --no-head``). The packed
-weight is opaque: only this module's forward uses it.
+the few rows of a decoding step (``bench/gemm.py --no-head``). In float32 the
+plain ``F.linear`` (MKL) lost most to it: on a Zen 1 with AVX2 the packed
+weights multiplied 8 rows 2.7x and 32 rows 1.8x faster, 512 rows 1.1x
+(docs/BENCHMARKS.md). The packed weight is opaque: only this module's forward
+uses it.
+
+A bfloat16 layer on a CPU without bfloat16 instructions (``packed_dtype``)
+keeps its packed weight in float32: oneDNN would emulate bfloat16 there,
+about 10x slower than its float32 GEMM (6 against 65 GFLOP/s on that Zen 1).
+Widened once at load, the weights give the same products, summed in float32
+and rounded once to bfloat16, as a bfloat16 GEMM's; only the decoding copy
+below stays in bfloat16, where one row reads half float32's bytes.
 
 One row (batch-1 decoding) is the exception: oneDNN's packed GEMV reads the
 weights well below memory speed there, servelm's own matrix-vector kernel
-(``servelm.kernels``) close to it (``bench/gemm.py``). It needs the plain
-weight, so a layer can keep that too (``keep_plain``), at the cost of a
-second copy of the weights; ``weight_layout.py`` asks for it when the copy
-fits in memory. On AVX512-BF16 CPUs the copy can instead be in the layout of
+(``servelm.kernels``) close to it (``bench/gemm.py``); on AVX2 CPUs it beats
+oneDNN for a few rows more too, reading the weight once for all of them
+(``plain_rows``). It needs the plain weight, so a layer can keep that too
+(``keep_plain``), at the cost of a second copy of the weights;
+``weight_layout.py`` asks for it when the copy fits in memory. On AVX512-BF16 CPUs the copy can instead be in the layout of
 servelm's small-GEMM kernel (``pair_rows``), which serves one row as fast as
 the matrix-vector kernel and 2 to ``PAIR_MAX_ROWS`` rows (decoding a few
 dozen sequences) faster than oneDNN where oneDNN has no more than the same
@@ -38,16 +49,36 @@ logger = logging.getLogger(__name__)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this torch build packs weights of ``dtype`` for oneDNN on ``device``."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    """Whether this torch build packs a layer of ``dtype`` (float32 or bfloat16) for oneDNN on ``device``,
+    in ``packed_dtype(dtype)``."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+def native_bf16_matmul() -> bool:
+    """Whether oneDNN multiplies bfloat16 with bfloat16 instructions on this CPU (AVX512-BF16, AMX), not
+    emulated."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def packed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype oneDNN multiplies a layer of ``dtype`` in: float32 for a bfloat16 layer where oneDNN has no
+    bfloat16 instructions (module docstring), else ``dtype`` itself."""
+    return torch.float32 if dtype == torch.bfloat16 and not native_bf16_matmul() else dtype
 
 
 PAIR_MAX_ROWS = 64  # the most rows the small-GEMM kernel takes; oneDNN's packed GEMM catches up beyond
+
+
+def plain_rows(dtype: torch.dtype) -> int:
+    """The most rows that servelm's matrix-vector kernel multiplies over a kept plain weight (read once for all
+    of them) rather than oneDNN. On AVX2 CPUs it beats oneDNN's packed GEMM up to 16 rows in bfloat16
+    (widened to float32 for it: 1.15x at 16 rows, 0.9x at 32, 2.8x at 2) and up to 64 in float32 (1.1x at
+    64) on the decoder's shapes with the weights streaming from memory (Zen 1, ``bench/gemm.py``); on AVX-512
+    CPUs oneDNN has twice its lanes, and it takes one row. A speculative step's verified rows go to it
+    wherever the plain weight is kept (``rows_alike``)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return 1
+    return PAIR_MAX_ROWS if dtype == torch.float32 else 16
 
 
 def pair_rows(cpu_matmul: str) -> int:
@@ -77,10 +108,10 @@ _ROWS_ALIKE: contextvars.ContextVar[bool] = contextvars.ContextVar("servelm_rows
 @contextlib.contextmanager
 def rows_alike() -> Iterator[None]:
     """Within it, every product of up to ``PAIR_MAX_ROWS`` rows over a kept pair layout runs on the vector
-    unit, which computes each row exactly as it computes one row alone, however many come: a speculative
-    step's verified rows then get the logits of plain decoding's one row, and greedy output stays plain
-    decoding's. Outside it, 2 to ``PAIR_MAX_ROWS`` rows may go to the tile unit (AMX) or oneDNN, faster and
-    summed in another order."""
+    unit, and over a kept plain weight on the matrix-vector kernel, which compute each row exactly as they
+    compute one row alone, however many come: a speculative step's verified rows then get the logits of plain
+    decoding's one row, and greedy output stays plain decoding's. Outside it, 2 to ``PAIR_MAX_ROWS`` rows may
+    go to the tile unit (AMX) or oneDNN, faster and summed in another order."""
     token = _ROWS_ALIKE.set(True)
     try:
         yield
@@ -100,7 +131,7 @@ def _small_gemm_kernels() -> kernels.CpuKernels | None:
     """The kernels where the small GEMM runs beside oneDNN's packed bfloat16 GEMM, else None."""
     native = kernels.cpu_kernels()
     probe = torch.zeros(32, 2, dtype=torch.bfloat16)
-    runs = native is not None and native.pack_pairs(probe) is not None and can_pack(torch.bfloat16, probe.device)
+    runs = native is not None and native.pack_pairs(probe) is not None and native_bf16_matmul()
     return native if runs else None
 
 
@@ -157,22 +188,26 @@ class PackedLinear(nn.Module):
     (at most ``PAIR_MAX_ROWS``) go to servelm's small-GEMM kernel over a copy of ``W`` in its pair layout
     where that kernel runs (``pair_weight`` is None elsewhere), and on AMX CPUs the rows past them up to
     ``PAIR_MAX_ROWS`` to the same layout on the tile unit (``amx_pairs``), which multiplies decoding's few
-    dozen rows faster than oneDNN there (``bench/gemm.py``); failing that, with ``keep_plain``, one row
-    goes to its matrix-vector kernel over the plain ``W`` where that is built."""
+    dozen rows faster than oneDNN there (``bench/gemm.py``); failing that, with ``keep_plain``, up to
+    ``plain_rows`` rows go to its matrix-vector kernel over the plain ``W`` where that is built. oneDNN
+    multiplies in ``packed_dtype`` (the output in ``W``'s dtype whatever it is)."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_plain: bool = False, pair_rows: int = 0
     ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        self.packed_as = packed_dtype(weight.dtype)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.packed_as).contiguous())
         self.bias = None if bias is None else bias.detach().clone()
+        self.packed_bias = None if bias is None else self.bias.to(self.packed_as)
         self.pair_rows = min(pair_rows, PAIR_MAX_ROWS)
         native = kernels.for_tensors(weight) if self.pair_rows > 0 else None
         self.pair_weight = native.pack_pairs(weight.detach()) if native else None
         self.amx_pairs = native is not None and self.pair_weight is not None and native.pairs_amx(self.in_features)
         # The pair layout serves one row as fast as the plain weight does: no need for both.
         self.plain_weight = weight.detach().contiguous() if keep_plain and self.pair_weight is None else None
+        self.plain_rows = plain_rows(weight.dtype) if self.plain_weight is not None else 0
 
     def one_row_weights(self) -> kernels.LinearWeights | None:
         """What servelm's one-call decoding step reads of this layer for one row: the pair layout or the plain
@@ -186,9 +221,14 @@ class PackedLinear(nn.Module):
     def rows_weights(self) -> kernels.LinearWeights | None:
         """What servelm's one-call decoding step reads of this layer for 2 rows or more, as ``forward`` runs
         them: the pair layout, up to ``pair_rows`` rows on the vector unit and on to ``PAIR_MAX_ROWS`` on AMX
-        tiles where ``amx_pairs``; None where ``forward`` would not run 2 rows on it."""
+        tiles where ``amx_pairs``, or the plain bfloat16 weight up to ``plain_rows``; None where ``forward``
+        would not run 2 rows on either."""
+        if self.pair_weight is None:
+            if self.plain_rows < 2 or self.plain_weight is None or self.plain_weight.dtype != torch.bfloat16:
+                return None
+            return kernels.LinearWeights(self.plain_weight, None, self.bias, max_rows=self.plain_rows)
         most = PAIR_MAX_ROWS if self.amx_pairs else self.pair_rows
-        if self.pair_weight is None or most < 2:
+        if most < 2:
             return None
         return kernels.LinearWeights(
             self.pair_weight, None, self.bias, "pairs", vector_rows=self.pair_rows, max_rows=most
@@ -204,11 +244,22 @@ class PackedLinear(nn.Module):
         if pairs and (native := kernels.for_tensors(flat)):
             amx = rows > self.pair_rows and not alike
             out = native.gemm_pairs(flat, self.pair_weight, self.out_features, self.bias, amx=amx)
-        elif rows == 1 and self.plain_weight is not None and (native := kernels.for_tensors(flat, self.plain_weight)):
+        elif (
+            (rows <= self.plain_rows or alike)
+            and self.plain_weight is not None
+            and (native := kernels.for_tensors(flat, self.plain_weight))
+        ):
             out = native.gemv(flat, self.plain_weight, self.bias)
         else:
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+            out = self.forward_packed(flat)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_packed(self, flat: torch.Tensor) -> torch.Tensor:
+        """oneDNN's product of ``flat`` ``[M, in_features]`` over the packed weight, whatever the rows."""
+        out = torch.ops.mkldnn._linear_pointwise(
+            flat.to(self.packed_as), self.packed_weight, self.packed_bias, "none", [], ""
+        )
+        return out.to(flat.dtype)
 
 
 def replace_linears(model: nn.Module, make, head_weight: torch.Tensor | None) -> int:

@@ -67,8 +67,9 @@ class Int8Linear(Int8Rows):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: int = SMALL_BATCH):
         super().__init__(weight, bias)
         self.small_batch = small_batch
-        # The dequantized weights, in the model's dtype, for large batches:
-        # only a oneDNN-prepacked copy where bfloat16 packing pays (packed.py).
+        # The dequantized weights, in the model's dtype, for large batches: only
+        # a oneDNN-prepacked copy where oneDNN runs (packed.py; a bfloat16 one
+        # packed as float32 on CPUs without bfloat16 instructions).
         dense = (self.qweight.float() * self.scales.float()[:, None]).to(weight.dtype)
         packable = can_pack(weight.dtype, weight.device)
         self.dense = PackedLinear(dense, self.bias) if packable else None

@@ -5,16 +5,17 @@ On the CPU, in order:
 
 - ``quantization="int8"``: every linear layer becomes an :class:`Int8Linear`
   (quantization.py); ``quantization="w8a8"``: a :class:`W8A8Linear` (w8a8.py);
-- else, where this torch build packs bfloat16 weights for oneDNN, every linear
-  layer becomes a :class:`PackedLinear` (packed.py), keeping a second copy of
-  its weight for decoding where it fits in memory: in the small-GEMM kernel's
-  pair layout for as many rows as ``cpu_matmul`` says (``pair_rows``), else
-  plain for batch 1;
+- else, where this torch build packs the model's weights (bfloat16 or float32)
+  for oneDNN, every linear layer becomes a :class:`PackedLinear` (packed.py),
+  keeping a second copy of its weight for decoding where it fits in memory: in
+  bfloat16 in the small-GEMM kernel's pair layout for as many rows as
+  ``cpu_matmul`` says (``pair_rows``), else plain for batch 1 (and on AVX2
+  CPUs for a few rows more: ``plain_rows``);
 - then the weights decoding streams every step (pair layout, plain, int8 rows) move
   onto transparent huge pages (``servelm.platform.memory``).
 
-Elsewhere (CUDA, float32 without packing) the model keeps its ``nn.Linear``
-layers as loaded.
+Elsewhere (CUDA, a torch build without oneDNN, float16) the model keeps its
+``nn.Linear`` layers as loaded.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 import torch
 from torch import nn
 
-from servelm.models.packed import PackedLinear, can_pack, pair_rows, replace_linears
+from servelm.models.packed import PackedLinear, can_pack, packed_dtype, pair_rows, replace_linears
 from servelm.models.quantization import Int8Linear, quantize_int8
 from servelm.models.w8a8 import W8A8Linear, quantize_w8a8
 from servelm.platform.memory import huge_page_copies
@@ -80,33 +81,48 @@ def lay_out_weights(model: nn.Module, quantization: str, cpu_matmul: str) -> Non
         count = quantize_w8a8(model, _tied_head(model))
         logger.info("quantized %d linear layers to int8 weights and activations (w8a8)", count)
     elif can_pack(dtype, device):
-        _pack(model, device, cpu_matmul)
+        _pack(model, device, dtype, cpu_matmul)
     _stream_from_huge_pages(model, device)
 
 
-def _pack(model: nn.Module, device: torch.device, cpu_matmul: str) -> None:
-    # Decoding reads a second copy of the weights faster than oneDNN's packed one (packed.py): in the
-    # small-GEMM kernel's pair layout where cpu_matmul says so (with a tied head's too), else plain for batch 1
-    # (a tied head's plain weight is the embedding). It is kept only while it takes at most a quarter
+def _pack(model: nn.Module, device: torch.device, dtype: torch.dtype, cpu_matmul: str) -> None:
+    # Decoding reads a second copy of the weights faster than oneDNN's packed one (packed.py): in bfloat16 in
+    # the small-GEMM kernel's pair layout where cpu_matmul says so (with a tied head's too), else plain for
+    # batch 1 (a tied head's plain weight is the embedding). It is kept only while it takes at most a quarter
     # of the free memory.
     plain_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, nn.Linear))
     head = _tied_head(model)
-    budget = free_memory_bytes(device) // 4
+    free = free_memory_bytes(device)
+    wide = packed_dtype(dtype)
+    if wide != dtype:  # bfloat16 layers packed in float32 (packed.py): twice the bytes, beside the model's own
+        packed_bytes = (plain_bytes + (head.nbytes if head is not None else 0)) * wide.itemsize // dtype.itemsize
+        if packed_bytes > free // 2:
+            logger.warning(
+                "the bfloat16 layers stay unpacked: their float32 copies for oneDNN (%.1f GB) do not fit in half of "
+                "the free memory, and oneDNN emulates bfloat16 on this CPU, several times slower",
+                packed_bytes / 1e9,
+            )
+            return
+    budget = free // 4
     fits_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget
-    rows = pair_rows(cpu_matmul) if fits_pairs else 0
+    rows = pair_rows(cpu_matmul) if fits_pairs and dtype == torch.bfloat16 else 0  # no float32 pair layout
     keep_plain = plain_bytes <= budget
     make = functools.partial(PackedLinear, keep_plain=keep_plain, pair_rows=rows)
     count = replace_linears(model, make, head)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    most = max((m.plain_rows for m in packed), default=0)
     kept = [
         what
         for what, attr in (
             ("the pair layout for decoding", "pair_weight"),
-            ("plain weights for batch 1", "plain_weight"),
+            ("plain weights for batch 1" if most == 1 else f"plain weights for up to {most} rows", "plain_weight"),
         )
         if any(getattr(m, attr) is not None for m in packed)
     ]
-    logger.info("prepacked %d linear layers for oneDNN%s", count, f" (kept: {', '.join(kept)})" if kept else "")
+    widened = f" in {str(wide).removeprefix('torch.')}" if wide != dtype else ""
+    logger.info(
+        "prepacked %d linear layers for oneDNN%s%s", count, widened, f" (kept: {', '.join(kept)})" if kept else ""
+    )
 
 
 def _stream_from_huge_pages(model: nn.Module, device: torch.device) -> None:

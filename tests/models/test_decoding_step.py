@@ -8,6 +8,7 @@ import torch
 from servelm import kernels
 from servelm.kernels import build
 from servelm.models.llama import build_empty_model
+from servelm.models.packed import plain_rows
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 
@@ -64,11 +65,12 @@ def runs_many_rows(weights: str) -> bool:
     native = kernels.cpu_kernels()
     if weights == "w8a8":
         return "avx512_vnni" in build.cpu_flags()  # the packed GEMM
-    if weights == "pairs":
-        return "avx512_bf16" in build.cpu_flags()  # the pair layout, on the vector unit
-    if weights == "pairs1":
-        return native.pairs_amx(64)  # the pair layout, from 2 rows on AMX tiles
-    return False  # plain and int8 weights serve one row; more go to oneDNN
+    if weights == "int8":
+        return False  # int8 weights serve one row; more go to oneDNN
+    if weights != "bf16" and "avx512_bf16" in build.cpu_flags():
+        # the pair layout: on the vector unit, or with one row's layout from 2 rows on AMX tiles
+        return weights == "pairs" or native.pairs_amx(64)
+    return plain_rows(torch.bfloat16) >= len(MANY)  # no pair layout: the plain weight, read once (AVX2 CPUs)
 
 
 @pytest.mark.parametrize("weights", ["bf16", "pairs", "pairs1", "int8", "w8a8"])
@@ -151,8 +153,10 @@ def test_it_rejects_what_it_cannot_read(tiny_llama):
         native.decoding_step([good._replace(o=good.qkv)], **args)
     with pytest.raises(ValueError, match="int8 with scales"):
         native.decoding_step([good._replace(o=good.o._replace(weight=good.o.weight.float()))], **args)
-    with pytest.raises(ValueError, match="serves one row"):
-        native.decoding_step([good._replace(o=good.o._replace(max_rows=2))], **args)
+    int8 = good.o._replace(kind="int8", weight=torch.zeros(64, 96, dtype=torch.int8), scales=torch.ones(64).bfloat16())
+    native.decoding_step([good._replace(o=int8)], **args)
+    with pytest.raises(ValueError, match="int8 with scales, for one row"):
+        native.decoding_step([good._replace(o=int8._replace(max_rows=2))], **args)
     with pytest.raises(ValueError, match="cannot write silu_mul"):
         native.decoding_step([good._replace(gate_up=good.gate_up._replace(silu_mul=True))], **args)
     with pytest.raises(ValueError, match="packed by w8a8_pack"):

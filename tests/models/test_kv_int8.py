@@ -222,13 +222,13 @@ def test_engine_config_names_the_cache_dtypes():
 
 @pytest.fixture(scope="module")
 def greedy_pair(model_path):
-    """The bundled model's greedy completions of a few prompts (with each token's two likeliest), batched and
+    """The bundled model's greedy completions of a few prompts (with each token's five likeliest), batched and
     one at a time (the one-call decoder's path where the cache is bfloat16), with a bfloat16 cache and with an
     int8 one."""
     from servelm import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colors are"]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
     runs = {}
     for kv in ("auto", "int8"):
         llm = LLM(str(model_path), dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20, kv_cache_dtype=kv)
@@ -254,11 +254,12 @@ def test_engine_serves_from_an_int8_cache_of_twice_the_tokens(greedy_pair):
         fork = next((i for i, (x, y) in enumerate(zip(exact.token_ids, rounded.token_ids)) if x != y), None)
         if fork is None:
             continue
-        # The bfloat16 cache's two likeliest there: the int8 cache's choice among them, a quarter nat apart at most
-        # (at the forks seen, 0 and 0.125: bfloat16 logits tie exactly, or all but).
+        # The bfloat16 cache's five likeliest there: the int8 cache's choice among them, within three steps of
+        # bfloat16 logits of this size (0.125 each) of the likeliest. At the forks seen: 0 and 0.125 on AVX-512,
+        # 0.25 on a Zen 1 with AVX2 (three tokens 0.125 apart).
         likeliest = {t.token_id: t.logprob for t in exact.logprobs[fork].top}
         assert rounded.token_ids[fork] in likeliest
-        assert likeliest[exact.token_ids[fork]] - likeliest[rounded.token_ids[fork]] <= 0.25
+        assert likeliest[exact.token_ids[fork]] - likeliest[rounded.token_ids[fork]] <= 0.375
     assert int8_batched[0].token_ids[:3] == bf16_batched[0].token_ids[:3]  # " Paris" and what follows it
     # One sequence alone decodes over the int8 cache too (in one native call where its kernel runs).
     assert [len(t) for t in int8_alone] == [24, 24]

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked bfloat16 linear layers: the maths, the model rewrite, the engine running them."""
+"""oneDNN-prepacked bfloat16 and float32 linear layers: the maths, the model rewrite, the engine running them."""
 
 from __future__ import annotations
 
@@ -17,31 +17,50 @@ from servelm.models.packed import (
     PAIR_MAX_ROWS,
     PackedLinear,
     can_pack,
+    native_bf16_matmul,
+    packed_dtype,
     pair_rows,
     replace_linears,
     rows_alike,
     timed_pair_rows,
 )
 
-pytestmark = pytest.mark.skipif(
-    not can_pack(torch.bfloat16, torch.device("cpu")), reason="this torch build has no oneDNN bfloat16 packing"
-)
+pytestmark = pytest.mark.skipif(not can_pack(torch.float32, torch.device("cpu")), reason="this torch has no oneDNN")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("keep_plain", [False, True])  # True: one row goes to servelm's GEMV kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.usefixtures("cpu_ops")
-def test_packed_layer_computes_the_plain_linear(rows, with_bias, keep_plain):
+def test_packed_layer_computes_the_plain_linear(rows, with_bias, keep_plain, dtype):
     torch.manual_seed(rows)
-    weight = torch.randn(96, 64).to(torch.bfloat16)
-    bias = torch.randn(96).to(torch.bfloat16) if with_bias else None
-    x = torch.randn(rows, 64).to(torch.bfloat16)
-    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    got = PackedLinear(weight, bias, keep_plain)(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
-    # Both round to bfloat16 once; the float32 sums may differ in order only.
-    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    weight = torch.randn(96, 64).to(dtype)
+    bias = torch.randn(96).to(dtype) if with_bias else None
+    x = torch.randn(rows, 64).to(dtype)
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    layer = PackedLinear(weight, bias, keep_plain)
+    assert (layer.plain_weight is not None) == keep_plain
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, 96)
+    if dtype == torch.bfloat16:  # Both round to bfloat16 once; the float32 sums may differ in order only.
+        torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    else:
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_bfloat16_layers_multiply_in_float32_where_onednn_has_no_bfloat16_instructions():
+    """The same products and float32 sums as a bfloat16 GEMM's, rounded once: at float32's rate, not at
+    emulated bfloat16's; the decoding copy stays bfloat16."""
+    weight, bias = torch.randn(96, 64).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
+    layer = PackedLinear(weight, bias, keep_plain=True)
+    assert layer.packed_as == packed_dtype(torch.bfloat16)
+    assert layer.packed_as == (torch.bfloat16 if native_bf16_matmul() else torch.float32)
+    assert layer.plain_weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    # Rounded once from float32 sums: within half a bfloat16 step (at most |exact| / 256) and a float32 sum's error.
+    assert ((layer(x).double() - exact).abs() <= exact.abs() / 256 + 1e-4 * exact.abs().max()).all()
 
 
 def has_avx512_bf16() -> bool:
@@ -191,16 +210,49 @@ def test_extra_weight_copies_are_dropped_where_they_do_not_fit(monkeypatch, free
     """A quarter of the free memory is the budget: 64 MiB holds no copy, 240 MiB the plain one (212 MB; the
     tied head's is the embedding) but not the pair layout (269 MB with the head's), 300 MiB the pair layout,
     which then serves batch 1 too, so no layer keeps a plain copy besides."""
+    if not native_bf16_matmul():
+        pytest.skip("without bfloat16 instructions the layers' float32 copies have a budget of their own (below)")
     if pairs and not timed_pair_rows():
         pytest.skip("the pair layout is kept only where the small GEMM runs (not on this CPU)")
+    packed = packed_layers(monkeypatch, free_mib, "bfloat16")
+    assert len(packed) == 30 * 4 + 1
+    assert all((m.plain_weight is not None) == plain and (m.pair_weight is not None) == pairs for m in packed)
+
+
+def packed_layers(monkeypatch, free_mib: int, dtype: str) -> list[PackedLinear]:
+    """The bundled model's packed layers in ``dtype`` with ``free_mib`` MiB of free memory."""
     from servelm import LLM
     from servelm.models import weight_layout
 
     monkeypatch.setattr(weight_layout, "free_memory_bytes", lambda device: free_mib << 20)
-    model = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cpu", kv_cache_memory=64 << 20).engine.runner.model
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    model = LLM("smollm2-135m-instruct", dtype=dtype, device="cpu", kv_cache_memory=64 << 20).engine.runner.model
+    return [m for m in model.modules() if isinstance(m, PackedLinear)]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("free_mib,plain", [(256, False), (1800, True)])
+def test_float32_layers_keep_a_plain_copy_for_one_row_where_it_fits(monkeypatch, free_mib, plain):
+    """424 MB of float32 weights (the tied head's plain one is the embedding): not in a quarter of 256 MiB, in a
+    quarter of 1800 MiB. oneDNN's packed weight serves every other product, at any rows."""
+    packed = packed_layers(monkeypatch, free_mib, "float32")
     assert len(packed) == 30 * 4 + 1
-    assert all((m.plain_weight is not None) == plain and (m.pair_weight is not None) == pairs for m in packed)
+    assert all(m.packed_as == torch.float32 and m.pair_weight is None for m in packed)
+    assert all((m.plain_weight is not None) == plain for m in packed)
+
+
+@pytest.mark.model
+def test_bfloat16_layers_stay_unpacked_where_their_float32_copies_do_not_fit(monkeypatch, caplog):
+    """Where oneDNN has no bfloat16 instructions the packed weights are float32: 538 MB for this model, which
+    half of 960 MiB cannot hold. The layers then stay as loaded (oneDNN emulating bfloat16), said once."""
+    if native_bf16_matmul():
+        pytest.skip("oneDNN packs bfloat16 as such on this CPU: no float32 copies")
+    with caplog.at_level(logging.WARNING, logger="servelm.models.weight_layout"):
+        assert packed_layers(monkeypatch, 960, "bfloat16") == []
+    assert "the bfloat16 layers stay unpacked" in caplog.text
+    caplog.clear()
+    packed = packed_layers(monkeypatch, 1200, "bfloat16")
+    assert len(packed) == 30 * 4 + 1 and all(m.packed_as == torch.float32 for m in packed)
+    assert "stay unpacked" not in caplog.text
 
 
 def test_free_memory_counts_the_page_cache_the_kernel_can_reclaim(tmp_path, monkeypatch):

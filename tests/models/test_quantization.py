@@ -11,13 +11,18 @@ from servelm.models.packed import can_pack
 from servelm.models.quantization import SMALL_BATCH, Int8Linear, quantize_int8
 
 
+def dequantized(layer: Int8Linear) -> torch.Tensor:
+    """The weights the layer computes with, in float32."""
+    return layer.qweight.float() * layer.scales.float()[:, None]
+
+
 def test_int8_weights_stay_within_half_a_step_of_the_original():
     torch.manual_seed(0)
     weight = torch.randn(64, 96) * torch.linspace(0.1, 3, 64)[:, None]  # rows of very different ranges
     layer = Int8Linear(weight)
     assert layer.qweight.dtype == torch.int8 and layer.qweight.abs().max() <= 127
     step = layer.scales.float()[:, None]
-    assert ((layer.weight - weight).abs() <= step / 2 + 1e-6).all()
+    assert ((dequantized(layer) - weight).abs() <= step / 2 + 1e-6).all()
 
 
 @pytest.mark.parametrize("rows", [1, SMALL_BATCH, SMALL_BATCH + 1, 40])
@@ -29,27 +34,26 @@ def test_small_and_large_batches_compute_with_the_same_quantized_weights(rows, i
     weight, bias = torch.randn(48, in_features), torch.randn(48)
     layer = Int8Linear(weight, bias)
     x = torch.randn(rows, in_features)
-    expected = F.linear(x, layer.weight, bias)  # float32 on the dequantized weights
+    expected = F.linear(x, dequantized(layer), bias)  # float32 on the dequantized weights
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 48)
     # The int8 kernel takes bf16 activations: agreement to bf16 precision.
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
-@pytest.mark.skipif(
-    not can_pack(torch.bfloat16, torch.device("cpu")), reason="this CPU/torch build has no bf16 oneDNN packing"
-)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, SMALL_BATCH + 1, 40])
-def test_bfloat16_layer_packs_its_dense_copy_for_large_batches(rows):
+def test_layer_packs_its_dense_copy_for_large_batches(rows, dtype):
+    if not can_pack(dtype, torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN packing")
     torch.manual_seed(2)
-    weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
+    weight, bias = torch.randn(48, 64).to(dtype), torch.randn(48).to(dtype)
     layer = Int8Linear(weight, bias)
     assert layer.dense is not None and layer.weight is None  # the packed copy is the only dense one
-    x = torch.randn(rows, 64).bfloat16()
-    dequantized = layer.qweight.float() * layer.scales.float()[:, None]
-    expected = F.linear(x.float(), dequantized, bias.float())
+    x = torch.randn(rows, 64).to(dtype)
+    expected = F.linear(x.float(), dequantized(layer), bias.float())
     got = layer(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+    assert got.dtype == dtype and got.shape == (rows, 48)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
