@@ -20,8 +20,10 @@ class EngineSettings(BaseModel):
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
         "auto",
-        "weight and activation dtype; auto: bfloat16 on CUDA and on CPUs whose bfloat16 matmuls are at least "
-        "1.5x faster than float32 ones (measured at start-up and logged), else float32",
+        "weight and activation dtype; auto: bfloat16 on CUDA, on CPUs whose bfloat16 matmuls are at least "
+        "1.5x faster than float32 ones (measured at start-up and logged), and on CPUs without bfloat16 "
+        "instructions for oneDNN (AVX2), where the bfloat16 layers multiply in float32 over weights widened once "
+        "and one sequence's decoding reads half of float32's bytes; else float32",
         group="engine",
     )
 

@@ -38,16 +38,35 @@ def _matmul_seconds(dtype: torch.dtype) -> float:
     return min(times[1:])
 
 
+def _onednn_emulates_bf16() -> bool:
+    """Whether oneDNN runs here but has no bfloat16 instructions on this CPU (AVX2 and older)."""
+    available: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    return available and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 @functools.cache
 def cpu_prefers_bf16() -> bool:
-    """True when this CPU multiplies bfloat16 matrices clearly faster than float32 ones.
+    """True when this CPU runs a bfloat16 model at least as fast as a float32 one.
 
-    CPUs with bfloat16 instructions (AVX512-BF16, AMX) do, several times over;
-    on others bfloat16 is emulated and slower, and on some that have the
-    instructions oneDNN still runs it slower than float32. One matmul of a
-    decoder's size in each dtype (a few tens of milliseconds in all) settles
-    it, logged with its figures; ``--dtype`` pins the dtype without it.
+    CPUs with bfloat16 instructions (AVX512-BF16, AMX) multiply bfloat16
+    several times faster; on some that have them oneDNN still runs it slower
+    than float32. One matmul of a decoder's size in each dtype (a few tens of
+    milliseconds in all) settles it, logged with its figures. Where oneDNN has
+    no bfloat16 instructions at all it would emulate them, 10x slower, but
+    servelm's bfloat16 layers multiply in float32 there, over their weights
+    widened once (``models/packed.py``): batches and prefill run at float32's
+    rate, while one sequence's decoding reads the bfloat16 weights, half the
+    bytes (on a Zen 1 with AVX2: 2.6x the one-stream speed, 0.92x at 32
+    streams of 158-token prompts, and the KV cache holds twice the tokens;
+    docs/BENCHMARKS.md), so bfloat16 is taken without a timing.
+    ``--dtype`` pins the dtype.
     """
+    if _onednn_emulates_bf16():
+        logger.info(
+            "dtype auto: oneDNN has no bfloat16 instructions on this CPU, so bfloat16 layers multiply in float32 "
+            "over weights widened once, and decoding one sequence reads half the bytes: using bfloat16"
+        )
+        return True
     bf16, fp32 = _matmul_seconds(torch.bfloat16), _matmul_seconds(torch.float32)
     prefers = bf16 * _BF16_MARGIN < fp32
     logger.info(
@@ -62,7 +81,8 @@ def cpu_prefers_bf16() -> bool:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 on CUDA and on a CPU whose bfloat16 matmuls are fast, else float32."""
+    """``auto`` is bfloat16 on CUDA and on a CPU that runs it at least as fast (``cpu_prefers_bf16``), else
+    float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":

@@ -1,4 +1,5 @@
-"""``auto`` dtype: bfloat16 on CUDA, and on a CPU only where its matmuls are clearly faster."""
+"""``auto`` dtype: bfloat16 on CUDA, and on a CPU where its matmuls are clearly faster or where oneDNN would emulate
+them (servelm then multiplies bfloat16 layers in float32)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def timings(monkeypatch):
     """Set the measured matmul seconds per dtype; clears the cached decision around the test."""
     figures: dict[torch.dtype, float] = {}
     monkeypatch.setattr(device_mod, "_matmul_seconds", lambda dtype: figures[dtype])
+    monkeypatch.setattr(device_mod, "_onednn_emulates_bf16", lambda: False)  # a CPU with bfloat16 instructions
     device_mod.cpu_prefers_bf16.cache_clear()
     yield figures
     device_mod.cpu_prefers_bf16.cache_clear()
@@ -45,6 +47,21 @@ def test_auto_measures_once_per_process_and_logs_the_figures_once(timings, monke
     assert caplog.messages == [
         "dtype auto: a [128, 1024] x [1024, 2048] matmul takes 0.50 ms in bfloat16 vs 2.00 ms in float32 on this "
         "CPU (bfloat16 must be 1.5x faster): using bfloat16"
+    ]
+
+
+def test_auto_is_bfloat16_without_a_timing_where_onednn_would_emulate_it(monkeypatch, caplog):
+    monkeypatch.setattr(device_mod, "_onednn_emulates_bf16", lambda: True)
+    monkeypatch.setattr(device_mod, "_matmul_seconds", lambda dtype: pytest.fail("timed although emulated"))
+    device_mod.cpu_prefers_bf16.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="servelm.engine.device"):
+            assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    finally:
+        device_mod.cpu_prefers_bf16.cache_clear()
+    assert caplog.messages == [
+        "dtype auto: oneDNN has no bfloat16 instructions on this CPU, so bfloat16 layers multiply in float32 "
+        "over weights widened once, and decoding one sequence reads half the bytes: using bfloat16"
     ]
 
 
