@@ -5,12 +5,14 @@ output tokens per second for servelm (all N batched by the engine), HF
 ``generate`` one request at a time, HF ``generate`` batched, and batch-1
 decode for both, then the ratios. Each figure is the median of --repeats runs.
 With ``--against MODE`` a second servelm engine runs with ``--quantization
-MODE`` beside the first, their runs alternating (one of each per repeat, so
-that a change in the machine's load hits both), and the ratio is printed;
-``--no-hf`` leaves the HF runs out.
+MODE`` beside the first (with ``--against-dtype DTYPE``, in that dtype), their
+runs alternating (one of each per repeat, so that a change in the machine's
+load hits both), and the ratio is printed; ``--no-hf`` leaves the HF runs out
+(alone, it prints servelm's own figures).
 
     .venv/bin/python bench/offline.py --num-prompts 64 --input-len 128 --output-len 128
     .venv/bin/python bench/offline.py --dtype bfloat16 --against w8a8 --no-hf --no-prefix-caching --repeats 5
+    .venv/bin/python bench/offline.py --dtype float32 --against-dtype bfloat16 --no-hf --no-prefix-caching
     python bench/offline.py --device cuda --num-prompts 256 --hf-single 8   # on a GPU, HF on it too
 """
 
@@ -80,6 +82,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="servelm's (default: %(default)s)")
     ap.add_argument("--against", choices=QUANTIZATIONS, help="also run servelm with this quantization, alternating")
+    ap.add_argument(
+        "--against-dtype", help="also run servelm in this dtype (with --against's quantization, if given), alternating"
+    )
     ap.add_argument("--no-hf", action="store_true", help="leave out the HF baseline")
     ap.add_argument(
         "--no-prefix-caching",
@@ -90,10 +95,10 @@ def main() -> None:
 
     from servelm import LLM, SamplingParams
 
-    def engine(quantization: str) -> LLM:
+    def engine(quantization: str, dtype: str) -> LLM:
         return LLM(
             args.model,
-            dtype=args.dtype,
+            dtype=dtype,
             device=args.device,
             cuda_graphs=args.cuda_graphs,
             max_num_seqs=args.max_num_seqs,
@@ -103,15 +108,18 @@ def main() -> None:
             enable_prefix_caching=not args.no_prefix_caching,
         )
 
-    llm = engine(args.quantization)
+    llm = engine(args.quantization, args.dtype)
     dtype = llm.engine.runner.dtype  # what --dtype (auto included) resolved to
     device = llm.engine.runner.device
     vocab = llm.engine.runner.model_config.vocab_size
     prompts = _prompts(vocab, args.num_prompts, args.input_len, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     n_out = args.num_prompts * args.output_len
-    if args.against:
-        _compare(llm, engine(args.against), args, prompts, params)
+    if args.against or args.against_dtype:
+        other = engine(args.against or args.quantization, args.against_dtype or args.dtype)
+        _compare(llm, other, args, prompts, params)
+    elif args.no_hf:
+        _compare(llm, None, args, prompts, params)
     if args.no_hf:
         return
 
@@ -167,28 +175,36 @@ def main() -> None:
     print(f"ratio batch-1 servelm / HF:       {servelm_b1 / hf_b1:.2f}x")
 
 
+def _label(llm) -> str:
+    runner = llm.engine.runner
+    return f"servelm, {str(runner.dtype).removeprefix('torch.')}, quantization {runner.config.quantization}"
+
+
 def _compare(llm, other, args, prompts, params) -> None:
-    """servelm with --quantization against servelm with --against, batched and batch 1, runs alternating."""
+    """servelm with --dtype and --quantization against servelm with --against-dtype and --against (or alone,
+    ``other`` None), batched and batch 1, runs alternating."""
     warm = type(params)(temperature=0.0, max_tokens=4)
-    for engine in (llm, other):
+    engines = (llm, other) if other is not None else (llm,)
+    for engine in engines:
         engine.generate(prompts[:2], warm)
     n_out = args.num_prompts * args.output_len
-    engines = (llm, other)
     batched = _interleaved_rates([lambda e=e: e.generate(prompts, params) for e in engines], n_out, args.repeats)
     one = _interleaved_rates(
         [lambda e=e: e.generate(prompts[:1], params) for e in engines], args.output_len, args.repeats
     )
     print(
-        f"model {args.model}, {llm.engine.runner.dtype}, {args.num_prompts} requests x {args.input_len} prompt + "
+        f"model {args.model}, {args.num_prompts} requests x {args.input_len} prompt + "
         f"{args.output_len} output tokens, median of {args.repeats} alternating runs, "
         f"{_where(llm.engine.runner.device, args.cuda_graphs)}"
     )
-    print(f"{'output tok/s':>40s}{'all batched':>14s}{'batch 1':>10s}")
-    for name, b, o in ((args.quantization, batched[0], one[0]), (args.against, batched[1], one[1])):
-        print(f"{'servelm, quantization ' + name:40s}{b:14.1f}{o:10.1f}")
-    print(
-        f"ratio {args.against} / {args.quantization}: {batched[1] / batched[0]:.2f}x batched, {one[1] / one[0]:.2f}x batch 1"
-    )
+    print(f"{'output tok/s':>44s}{'all batched':>14s}{'batch 1':>10s}")
+    for engine, b, o in zip(engines, batched, one):
+        print(f"{_label(engine):44s}{b:14.1f}{o:10.1f}")
+    if other is not None:
+        print(
+            f"ratio {_label(other)} / {_label(llm)}: {batched[1] / batched[0]:.2f}x batched, "
+            f"{one[1] / one[0]:.2f}x batch 1"
+        )
 
 
 if __name__ == "__main__":
