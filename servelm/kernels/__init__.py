@@ -26,11 +26,13 @@
   CPU has them, for decoding (a 16-token cache block at a time) and prefill,
   and prefill's weighted values; the bfloat16 attention kernels ask it
   first.
-- ``gemv.c``: matrix-vector products for batch-1 decoding, bfloat16 and
-  int8 weights, streaming each weight row once at close to memory speed, and
-  a small GEMM for decoding a few dozen sequences over weights in its own
-  pair layout (AVX512-BF16, and on AMX CPUs the tile unit, whose own layout
-  it is).
+- ``gemv.c``: matrix-vector products for batch-1 decoding, bfloat16,
+  float32 and int8 weights, streaming each weight row once at close to
+  memory speed (bfloat16 and float32 for a few rows too, each row summed as
+  when alone).
+- ``gemm_pairs.c``: a small GEMM for decoding a few dozen sequences over
+  weights in its own pair layout (AVX512-BF16, and on AMX CPUs the tile
+  unit, whose own layout it is).
 - ``amx.c``: what the AMX kernels share: Linux's permission to use the
   tiles, and the tile configuration.
 - ``w8a8.c``: an int8 x int8 GEMM for ``--quantization w8a8`` on AVX512-VNNI

@@ -1,5 +1,5 @@
 /* Intel AMX (the tile unit of Sapphire Rapids and later) for the kernels that use it: w8a8_amx.c's int8 GEMM
- * (tdpbssd), gemv.c's bfloat16 one over the pair layout and attention_amx.c's products (tdpbf16ps).
+ * (tdpbssd), gemm_pairs.c's bfloat16 one over the pair layout and attention_amx.c's products (tdpbf16ps).
  * KERNELS_AMX is defined where this build targets AMX-INT8 and AMX-BF16 (-march=native on such a CPU) on
  * Linux. */
 #pragma once

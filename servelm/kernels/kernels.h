@@ -122,6 +122,8 @@ void f32_gemv(const float *x, int64_t M, int64_t K, const float *w, const float 
               int nthreads);
 void int8_linear_bf16(const uint16_t *x, int64_t K, const int8_t *w, const uint16_t *scales, int64_t N,
                       uint16_t *out, int nthreads);
+
+/* gemm_pairs.c */
 int bf16_pairs_supported(void);
 void bf16_pack_pairs(const uint16_t *w, int64_t N, int64_t K, uint16_t *pairs, int nthreads);
 void bf16_gemm_pairs(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pairs, const uint16_t *bias,
@@ -156,7 +158,7 @@ void w8a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *pa
                const void *bias, int64_t N, int flags, void *out, int nthreads, const struct w8a8_next *next);
 
 /* decode_step.c: a linear layer [out_features, in_features], as the model's layer keeps it for the rows a
- * step decodes: LINEAR_PLAIN, a bfloat16 weight (one row); LINEAR_PAIRS, bfloat16 in gemv.c's pair layout (up
+ * step decodes: LINEAR_PLAIN, a bfloat16 weight (one row); LINEAR_PAIRS, bfloat16 in gemm_pairs.c's pair layout (up
  * to vector_rows rows on vectors, more on AMX tiles); LINEAR_INT8, int8 with bfloat16 scales per row
  * (quantization.py; one row); LINEAR_W8A8, w8a8_pack's layout with float32 scales (w8a8.py), gate/up in pairs
  * of 16-row blocks writing silu_mul's result where silu_mul. bias NULL or bfloat16 [out_features]. */
