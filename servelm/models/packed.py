@@ -21,8 +21,9 @@ weights well below memory speed there, servelm's own matrix-vector kernel
 oneDNN for a few rows more too, reading the weight once for all of them
 (``plain_rows``). It needs the plain weight, so a layer can keep that too
 (``keep_plain``), at the cost of a second copy of the weights;
-``weight_layout.py`` asks for it when the copy fits in memory. On AVX512-BF16 CPUs the copy can instead be in the layout of
-servelm's small-GEMM kernel (``pair_rows``), which serves one row as fast as
+``weight_layout.py`` asks for it when the copy fits in memory. On
+AVX512-BF16 CPUs the copy can instead be in the layout of servelm's
+small-GEMM kernel (``pair_rows``), which serves one row as fast as
 the matrix-vector kernel and 2 to ``PAIR_MAX_ROWS`` rows (decoding a few
 dozen sequences) faster than oneDNN where oneDNN has no more than the same
 instructions (``bench/gemm.py``; where oneDNN has more, AMX, it is used for
