@@ -141,7 +141,7 @@ static inline __m256 int8x8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
 }
 
-#define AVX2_XROWS 3 /* rows of x against each widened vector of weights: 8 sums of 4 x 2 in registers */
+#define AVX2_XROWS 3 /* rows of x against each widened vector of weights: 12 sums (4 x 3), 3 x, 1 weight: 16 registers */
 
 /* Dot products of `rows` (1..GROUP) weight rows w[r * K ...] (float32, or bfloat16 or int8 widened to it)
  * with `xrows` (1..AVX2_XROWS) rows of xf (x in float32, rows K apart), into sums[m * GROUP + r]: a cache
@@ -195,12 +195,13 @@ static float *widen_x(const uint16_t *x, int64_t M, int64_t K) {
 
 #if defined(GEMV_AVX512) || defined(GEMV_AVX2)
 /* Rows of W in groups of GROUP over the threads, the last N % GROUP one by
- * one, each group against every row m of x in turn while its weights are in
- * cache; DOTS(rows, n, m, sums) fills sums[0..rows) for weight rows n.. and
- * x row m, RESULT(acc, n) is what out[m][n] stores, rounded by STORE (to
- * bfloat16, or f32_identity). Each row of x is summed exactly as it is when
- * it comes alone: a speculative step's verified rows get plain decoding's
- * logits (models/packed.py). */
+ * one, each group against the rows of x, XR at a time (then 2, then 1),
+ * while its weights are in cache (XR is 1 where DOTS takes one row of x);
+ * DOTS(rows, xrows, n, m, sums) fills sums[mm * GROUP + r] for weight rows
+ * n.. and x rows m.., RESULT(acc, n) is what out[m][n] stores, rounded by
+ * STORE (to bfloat16, or f32_identity). Each row of x is summed exactly as
+ * it is when it comes alone: a speculative step's verified rows get plain
+ * decoding's logits (models/packed.py). */
 #define GEMV_GROUPS_TO(DOTS, XR, RESULT, STORE)                                   \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")            \
     for (int64_t g = 0; g < (N + GROUP - 1) / GROUP; g++) {                       \
@@ -216,8 +217,7 @@ static float *widen_x(const uint16_t *x, int64_t M, int64_t K) {
             }                                                                     \
         }                                                                         \
     }
-/* GEMV_GROUPS_TO's XN rows of x from m against the group's rows n0.. (DOTS(rows, xrows, n, m, sums) fills
- * sums[mm * GROUP + r]). */
+/* GEMV_GROUPS_TO's XN rows of x from m against the group's rows n0... */
 #define GEMV_BLOCK(DOTS, XN, m, RESULT, STORE)                                    \
     do {                                                                          \
         float sums[(XN) * GROUP];                                                 \

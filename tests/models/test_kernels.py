@@ -235,6 +235,23 @@ def test_gemv_matches_the_linear_layer(native, in_features, out_features, with_b
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("rows", [2, 3, 5, 7, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_of_several_rows_sums_each_as_when_it_comes_alone(native, rows, dtype):
+    """Read once for all the rows (blocks of three, then two, then one), each row's sums are bit for bit the
+    one-row call's: a speculative step's verified rows keep plain decoding's greedy output."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(37, 100, generator=gen).to(dtype)  # a group of four left over, and a tail of K
+    bias = torch.randn(37, generator=gen).to(dtype)
+    x = torch.randn(rows, 100, generator=gen).to(dtype)
+    got = native.gemv(x, weight, bias)
+    assert got.shape == (rows, 37) and got.dtype == dtype
+    assert torch.equal(got, torch.cat([native.gemv(x[i : i + 1], weight, bias) for i in range(rows)]))
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_stores_strided_rows_at_their_slots(native, dtype):
     gen = torch.Generator().manual_seed(6)
