@@ -92,10 +92,11 @@ def _pack(model: nn.Module, device: torch.device, dtype: torch.dtype, cpu_matmul
     # of the free memory.
     plain_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, nn.Linear))
     head = _tied_head(model)
+    with_head = plain_bytes + (head.nbytes if head is not None else 0)
     free = free_memory_bytes(device)
     wide = packed_dtype(dtype)
     if wide != dtype:  # bfloat16 layers packed in float32 (packed.py): twice the bytes, beside the model's own
-        packed_bytes = (plain_bytes + (head.nbytes if head is not None else 0)) * wide.itemsize // dtype.itemsize
+        packed_bytes = with_head * wide.itemsize // dtype.itemsize
         if packed_bytes > free // 2:
             logger.warning(
                 "the bfloat16 layers stay unpacked: their float32 copies for oneDNN (%.1f GB) do not fit in half of "
@@ -104,7 +105,7 @@ def _pack(model: nn.Module, device: torch.device, dtype: torch.dtype, cpu_matmul
             )
             return
     budget = free // 4
-    fits_pairs = plain_bytes + (head.nbytes if head is not None else 0) <= budget
+    fits_pairs = with_head <= budget
     rows = pair_rows(cpu_matmul) if fits_pairs and dtype == torch.bfloat16 else 0  # no float32 pair layout
     keep_plain = plain_bytes <= budget
     make = functools.partial(PackedLinear, keep_plain=keep_plain, pair_rows=rows)
