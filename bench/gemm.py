@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from servelm import kernels
-from servelm.models.packed import PAIR_MAX_ROWS, PackedLinear, can_pack, native_bf16_matmul
+from servelm.models.packed import PAIR_MAX_ROWS, PackedLinear, can_pack
+from servelm.platform.cpu import onednn_has_bf16
 from servelm.platform.memory import huge_page_copies
 
 HIDDEN, FFN, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
@@ -60,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
 
     packable = can_pack(torch.bfloat16, torch.device("cpu"))
-    widened = "" if native_bf16_matmul() else " (packed as float32: no bfloat16 instructions)"
+    widened = "" if onednn_has_bf16() else " (packed as float32: no bfloat16 instructions)"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 packing available: {packable}{widened}")
     shapes = _shapes(not args.no_head)
     weights = {dt: [torch.randn(o, i).to(dt) for o, i in shapes] for dt in (torch.float32, torch.bfloat16)}

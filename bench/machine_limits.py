@@ -102,9 +102,9 @@ def _bf16_candidates(m: int, k: int, n: int) -> list[tuple[str, Callable[[], Cal
         x, layer = torch.randn(m, k).to(torch.bfloat16), PackedLinear(torch.randn(n, k).to(torch.bfloat16))
         return lambda: layer(x)
 
-    from servelm.models.packed import native_bf16_matmul
+    from servelm.platform.cpu import onednn_has_bf16
 
-    widened = "" if native_bf16_matmul() else " (in float32)"
+    widened = "" if onednn_has_bf16() else " (in float32)"
     return [(f"F.linear bf16 {m}x{k}x{n}", plain), (f"oneDNN prepacked bf16{widened} {m}x{k}x{n}", packed)]
 
 

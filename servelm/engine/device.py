@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from servelm.platform.cpu import onednn_emulates_bf16
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,12 +40,6 @@ def _matmul_seconds(dtype: torch.dtype) -> float:
     return min(times[1:])
 
 
-def _onednn_emulates_bf16() -> bool:
-    """Whether oneDNN runs here but has no bfloat16 instructions on this CPU (AVX2 and older)."""
-    available: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-    return available and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 @functools.cache
 def cpu_prefers_bf16() -> bool:
     """True when this CPU runs a bfloat16 model at least as fast as a float32 one.
@@ -61,7 +57,7 @@ def cpu_prefers_bf16() -> bool:
     docs/BENCHMARKS.md), so bfloat16 is taken without a timing.
     ``--dtype`` pins the dtype.
     """
-    if _onednn_emulates_bf16():
+    if onednn_emulates_bf16():
         logger.info(
             "dtype auto: oneDNN has no bfloat16 instructions on this CPU, so bfloat16 layers multiply in float32 "
             "over weights widened once, and decoding one sequence reads half the bytes: using bfloat16"

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from servelm import kernels
+from servelm.platform.cpu import onednn_has_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +56,10 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
 
 
-def native_bf16_matmul() -> bool:
-    """Whether oneDNN multiplies bfloat16 with bfloat16 instructions on this CPU (AVX512-BF16, AMX), not
-    emulated."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def packed_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype oneDNN multiplies a layer of ``dtype`` in: float32 for a bfloat16 layer where oneDNN has no
     bfloat16 instructions (module docstring), else ``dtype`` itself."""
-    return torch.float32 if dtype == torch.bfloat16 and not native_bf16_matmul() else dtype
+    return torch.float32 if dtype == torch.bfloat16 and not onednn_has_bf16() else dtype
 
 
 PAIR_MAX_ROWS = 64  # the most rows the small-GEMM kernel takes; oneDNN's packed GEMM catches up beyond
@@ -132,7 +127,7 @@ def _small_gemm_kernels() -> kernels.CpuKernels | None:
     """The kernels where the small GEMM runs beside oneDNN's packed bfloat16 GEMM, else None."""
     native = kernels.cpu_kernels()
     probe = torch.zeros(32, 2, dtype=torch.bfloat16)
-    runs = native is not None and native.pack_pairs(probe) is not None and native_bf16_matmul()
+    runs = native is not None and native.pack_pairs(probe) is not None and onednn_has_bf16()
     return native if runs else None
 
 

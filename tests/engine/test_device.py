@@ -17,7 +17,7 @@ def timings(monkeypatch):
     """Set the measured matmul seconds per dtype; clears the cached decision around the test."""
     figures: dict[torch.dtype, float] = {}
     monkeypatch.setattr(device_mod, "_matmul_seconds", lambda dtype: figures[dtype])
-    monkeypatch.setattr(device_mod, "_onednn_emulates_bf16", lambda: False)  # a CPU with bfloat16 instructions
+    monkeypatch.setattr(device_mod, "onednn_emulates_bf16", lambda: False)  # a CPU with bfloat16 instructions
     device_mod.cpu_prefers_bf16.cache_clear()
     yield figures
     device_mod.cpu_prefers_bf16.cache_clear()
@@ -51,7 +51,7 @@ def test_auto_measures_once_per_process_and_logs_the_figures_once(timings, monke
 
 
 def test_auto_is_bfloat16_without_a_timing_where_onednn_would_emulate_it(monkeypatch, caplog):
-    monkeypatch.setattr(device_mod, "_onednn_emulates_bf16", lambda: True)
+    monkeypatch.setattr(device_mod, "onednn_emulates_bf16", lambda: True)
     monkeypatch.setattr(device_mod, "_matmul_seconds", lambda dtype: pytest.fail("timed although emulated"))
     device_mod.cpu_prefers_bf16.cache_clear()
     try:

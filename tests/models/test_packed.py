@@ -17,13 +17,13 @@ from servelm.models.packed import (
     PAIR_MAX_ROWS,
     PackedLinear,
     can_pack,
-    native_bf16_matmul,
     packed_dtype,
     pair_rows,
     replace_linears,
     rows_alike,
     timed_pair_rows,
 )
+from servelm.platform.cpu import onednn_has_bf16
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32, torch.device("cpu")), reason="this torch has no oneDNN")
 
@@ -55,7 +55,7 @@ def test_bfloat16_layers_multiply_in_float32_where_onednn_has_no_bfloat16_instru
     weight, bias = torch.randn(96, 64).to(torch.bfloat16), torch.randn(96).to(torch.bfloat16)
     layer = PackedLinear(weight, bias, keep_plain=True)
     assert layer.packed_as == packed_dtype(torch.bfloat16)
-    assert layer.packed_as == (torch.bfloat16 if native_bf16_matmul() else torch.float32)
+    assert layer.packed_as == (torch.bfloat16 if onednn_has_bf16() else torch.float32)
     assert layer.plain_weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
     x = torch.randn(40, 64).to(torch.bfloat16)
     exact = F.linear(x.double(), weight.double(), bias.double())
@@ -210,7 +210,7 @@ def test_extra_weight_copies_are_dropped_where_they_do_not_fit(monkeypatch, free
     """A quarter of the free memory is the budget: 64 MiB holds no copy, 240 MiB the plain one (212 MB; the
     tied head's is the embedding) but not the pair layout (269 MB with the head's), 300 MiB the pair layout,
     which then serves batch 1 too, so no layer keeps a plain copy besides."""
-    if not native_bf16_matmul():
+    if not onednn_has_bf16():
         pytest.skip("without bfloat16 instructions the layers' float32 copies have a budget of their own (below)")
     if pairs and not timed_pair_rows():
         pytest.skip("the pair layout is kept only where the small GEMM runs (not on this CPU)")
@@ -244,7 +244,7 @@ def test_float32_layers_keep_a_plain_copy_for_one_row_where_it_fits(monkeypatch,
 def test_bfloat16_layers_stay_unpacked_where_their_float32_copies_do_not_fit(monkeypatch, caplog):
     """Where oneDNN has no bfloat16 instructions the packed weights are float32: 538 MB for this model, which
     half of 960 MiB cannot hold. The layers then stay as loaded (oneDNN emulating bfloat16), said once."""
-    if native_bf16_matmul():
+    if onednn_has_bf16():
         pytest.skip("oneDNN packs bfloat16 as such on this CPU: no float32 copies")
     with caplog.at_level(logging.WARNING, logger="servelm.models.weight_layout"):
         assert packed_layers(monkeypatch, 960, "bfloat16") == []
