@@ -247,14 +247,15 @@ def test_quantized_gguf_round_trip(qtype, tmp_path):
         assert not np.array_equal(stored["lm_head.weight"], hf.lm_head.weight.detach().numpy())
 
 
+@pytest.mark.parametrize("rows", [3, 12])  # 12: dequantized four rows to a call, as one long row
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_K", "Q3_K"])
-def test_k_quant_bytes_dequantize_like_transformers(qtype, tmp_path):
+def test_k_quant_bytes_dequantize_like_transformers(qtype, rows, tmp_path):
     """K-quants (dequantize-only in gguf): our reader hands the right bytes and shape to gguf's kernels."""
     from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
 
     qtype = gguf.GGMLQuantizationType[qtype]
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = 3, 2 * block_elems
+    cols = 2 * block_elems
     raw = np.random.default_rng(0).integers(0, 256, (rows, cols // block_elems * block_bytes), dtype=np.uint8)
     # Every byte <= 0x3B keeps any fp16 scale's exponent below 15: finite and under 1.
     raw &= 0x3B
