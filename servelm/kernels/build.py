@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from servelm.platform.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
@@ -57,11 +59,6 @@ def compilers() -> tuple[str, str]:
     return c, cxx
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "servelm" / "kernels"
-
-
 def cpu_flags() -> str:
     """This CPU's feature flags (``/proc/cpuinfo``), or what the platform says of it elsewhere."""
     try:
@@ -90,7 +87,7 @@ def build(c: str, cxx: str) -> Path:
         cpu_flags().encode(),
     ):
         key.update(part)
-    target = cache_dir() / f"servelm_kernels-{key.hexdigest()[:16]}.so"
+    target = cache_dir("kernels") / f"servelm_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

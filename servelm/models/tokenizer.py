@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -12,6 +16,9 @@ from servelm.engine.detokenizer import TextDecoder
 from servelm.engine.tool_parsers import AUTO, get_format, resolve_format
 from servelm.models.token_bytes import TokenBytes
 from servelm.models.tool_prompt import template_reads_tools, tool_messages
+from servelm.platform.cache import cache_dir
+
+logger = logging.getLogger(__name__)
 
 # Tokenizer lengths above this are transformers' "no limit" placeholder, not a real context size.
 _UNSET_MAX_LENGTH = 10**12
@@ -119,19 +126,61 @@ def load_tokenizer(
     max_model_len: int | None = None,
 ) -> Tokenizer:
     """Load from a HF folder (tokenizer.json, ...) or a .gguf file, never from the network."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        # The fast class straight away: AutoTokenizer would first parse the whole file
-        # to pick a class (seconds), while the backend it builds is the same either way.
-        hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-        return Tokenizer(hf, eos_token_ids, max_model_len, name=path.name)
+        return Tokenizer(_gguf_tokenizer(path), eos_token_ids, max_model_len, name=path.name)
     hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not hf.chat_template:
         hf.chat_template = _read_chat_template(path)
     eos = set(eos_token_ids) | _generation_eos(path)
     return Tokenizer(hf, eos, max_model_len, name=path.name)
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer of a GGUF file, converted by transformers once and kept in servelm's cache.
+
+    transformers reads the file's whole vocabulary and merges in Python to build it (2-5 s for a
+    50k vocabulary, every start); saved, it loads in a tenth of that. The cached copy is keyed by
+    the file's path, size and modification time and the converting libraries' versions; one that
+    cannot be read or written is converted again, with no harm but the time.
+    """
+    import tokenizers
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{tokenizers.__version__}"
+    cached = cache_dir("tokenizers") / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if cached.is_dir():
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
+        except Exception as exc:  # a damaged entry: convert again below and replace it
+            logger.warning(
+                "the cached tokenizer of %s in %s does not load (%s): converting it again", path, cached, exc
+            )
+            shutil.rmtree(cached, ignore_errors=True)
+    hf = _convert_gguf_tokenizer(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
+        hf.save_pretrained(str(staging))
+        try:
+            staging.rename(cached)  # atomic: a concurrent start sees a whole entry or none
+        except OSError:  # another start put it there first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        logger.info("could not keep the tokenizer of %s in %s (%s)", path, cached.parent, exc)
+    return hf
+
+
+def _convert_gguf_tokenizer(path: Path) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    # The fast class straight away: AutoTokenizer would first parse the whole file
+    # to pick a class (seconds), while the backend it builds is the same either way.
+    return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
 
 
 class _CleanUpOff:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -98,3 +99,71 @@ def test_no_template_is_a_clear_error(tokenizer_dir, tmp_path):
     assert tok.chat_template is None
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "q"}])
+
+
+def _tiny_gguf(path, add_bos: bool = True):
+    """A GGUF holding only a byte-level BPE tokenizer that adds a BOS, and one tensor."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    tokens = ["<s>", "</s>", "a", "b", "Ġ", "ab", "Ġa", "h", "i", "hi"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    writer.add_token_merges(["a b", "Ġ a", "h i"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(add_bos)
+    writer.add_chat_template("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _behaviour(tok: Tokenizer, texts) -> tuple:
+    return (
+        [tok.encode(t) for t in texts],
+        [tok.decode(tok.encode(t), skip_special_tokens=True) for t in texts],
+        tok.apply_chat_template([{"role": "user", "content": texts[0]}]),
+        tok.eos_token_ids,
+        tok.bos_token_id,
+        tok.vocab_size,
+        tok.name,
+    )
+
+
+def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache_alike(model_path, tmp_path, monkeypatch, caplog):
+    from servelm.models import tokenizer as tokenizer_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    conversions = []
+    convert = tokenizer_mod._convert_gguf_tokenizer
+    monkeypatch.setattr(tokenizer_mod, "_convert_gguf_tokenizer", lambda p: conversions.append(p) or convert(p))
+    tiny = tmp_path / "tiny.gguf"
+    _tiny_gguf(tiny)
+    for path, texts in [(model_path, TEXTS), (tiny, ["ab ab hi", "a b"])]:
+        conversions.clear()
+        first = load_tokenizer(path, eos_token_ids=[1], max_model_len=64)
+        again = load_tokenizer(path, eos_token_ids=[1], max_model_len=64)
+        assert conversions == [path]  # the second start read the cache
+        assert _behaviour(again, texts) == _behaviour(first, texts)
+    assert load_tokenizer(tiny).encode("ab") == [0, 5]  # its BOS, then "ab" merged, from the cache too
+    entries = sorted((tmp_path / "cache" / "servelm" / "tokenizers").iterdir())
+    assert len(entries) == 2 and not any(e.name.startswith(".tmp-") for e in entries)
+
+    # A file written anew (another size or time) is converted again, under a key of its own.
+    written = tiny.stat().st_mtime_ns
+    _tiny_gguf(tiny, add_bos=False)
+    os.utime(tiny, ns=(written, written + 10**9))  # a second later, on a file system of any time resolution
+    assert load_tokenizer(tiny).encode("ab") == [5]
+    assert conversions == [tiny, tiny]
+    # A damaged entry is converted again with a warning, and replaced.
+    for entry in (tmp_path / "cache" / "servelm" / "tokenizers").iterdir():
+        (entry / "tokenizer.json").write_text("{")
+    with caplog.at_level("WARNING", logger="servelm.models.tokenizer"):
+        assert load_tokenizer(tiny).encode("ab") == [5]
+    assert "does not load" in caplog.text and conversions == [tiny, tiny, tiny]
+    assert load_tokenizer(tiny).encode("ab") == [5] and len(conversions) == 3
