@@ -97,7 +97,14 @@ class ServelmServer:
     models failed to load) rather than serving errors forever.
     """
 
-    def __init__(self, app: FastAPI, settings: Settings, on_ready: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        app: FastAPI,
+        settings: Settings,
+        on_ready: Callable[[str], None] | None = None,
+        sock: socket.socket | None = None,
+    ):
+        self.sock = sock  # bound already (``bind``), else uvicorn binds settings.host and port itself
         self.config = uvicorn.Config(
             app,
             host=settings.host,
@@ -154,8 +161,21 @@ class ServelmServer:
 
     def run(self) -> int:
         """Serve until a signal (and its drain) or a fatal engine error; returns the exit status."""
-        self.server.run()
+        self.server.run(sockets=None if self.sock is None else [self.sock])
         return self.exit_code
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (IPv6 where the host has a colon), as uvicorn binds one,
+    not yet listening; raises OSError (the port in use, an address not of this machine)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _connector(settings: Settings, say: Callable[[str], None]) -> Any:
@@ -214,12 +234,20 @@ def serve(settings: Settings, out: TextIO = sys.stderr) -> int:
 
     from servelm.api import create_app
 
+    # Bound before anything starts, Ray's processes included: a port in use fails the start at once, and
+    # no process started below (Ray's) can take the port before the server listens on it.
+    try:
+        sock = bind(settings.host, settings.port)
+    except OSError as exc:
+        say(f"error: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}")
+        return 2
     connector = _connector(settings, say)
     if connector is None:
+        sock.close()
         return 2
     listening = threading.Event()
     app = create_app(connector, settings)
-    server = ServelmServer(app, settings, on_ready=lambda url: listening.set())
+    server = ServelmServer(app, settings, on_ready=lambda url: listening.set(), sock=sock)
 
     def load() -> None:
         say(f"loading {settings.model}" + (f" and {settings.embedding_model}" if settings.embedding_model else ""))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import socket
 import subprocess
 import sys
 import time
@@ -262,6 +263,24 @@ def test_serve_rejects_a_missing_model_before_loading(tmp_path):
     assert "--model" in out.getvalue()
 
 
+def test_serve_rejects_a_port_in_use_before_starting_anything(tmp_path, monkeypatch):
+    import servelm.connectors.local as local
+
+    started = []
+    monkeypatch.setattr(local, "LocalConnector", lambda *a, **k: started.append(a))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = io.StringIO()
+        rc = server.serve(Settings(model=str(model), embedding_model=None, port=port), out=out)
+    assert rc == 2
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in out.getvalue()
+    assert started == []  # no engine (and no Ray cluster) was started for a server that cannot listen
+
+
 def test_python_dash_m_entry_point():
     run = [sys.executable, "-m", "servelm"]
     help_ = subprocess.run([*run, "serve", "--help"], capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -353,14 +372,14 @@ def test_serve_listens_while_loading_then_drains_on_sigterm(tmp_path, monkeypatc
             events.append("shutdown")
 
     class SigtermServer(server.ServelmServer):
-        def __init__(self, app, settings, on_ready=None):
+        def __init__(self, app, settings, on_ready=None, sock=None):
             self.listening = threading.Event()
 
             def ready(url: str) -> None:
                 on_ready(url)
                 self.listening.set()
 
-            super().__init__(app, settings, on_ready=ready)
+            super().__init__(app, settings, on_ready=ready, sock=sock)
 
         def run(self):
             # uvicorn blocks: serve it in a thread, probe it while the fake
