@@ -163,16 +163,24 @@ def _gguf_tokenizer(path: Path) -> Any:
             shutil.rmtree(cached, ignore_errors=True)
     hf = _convert_gguf_tokenizer(path)
     try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
-        hf.save_pretrained(str(staging))
-        try:
-            staging.rename(cached)  # atomic: a concurrent start sees a whole entry or none
-        except OSError:  # another start put it there first
-            shutil.rmtree(staging, ignore_errors=True)
-    except OSError as exc:
+        _keep(hf, cached)
+    except Exception as exc:  # a cache that cannot be written costs the next start the conversion, no more
         logger.info("could not keep the tokenizer of %s in %s (%s)", path, cached.parent, exc)
     return hf
+
+
+def _keep(hf: Any, cached: Path) -> None:
+    """Save ``hf`` as the cache entry ``cached``, whole or not at all: a concurrent start sees either."""
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
+    try:
+        hf.save_pretrained(str(staging))
+        staging.rename(cached)  # atomic; fails if another start put its entry there first
+    except OSError:
+        if not cached.is_dir():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _convert_gguf_tokenizer(path: Path) -> Any:

@@ -167,3 +167,13 @@ def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache_alike(model
         assert load_tokenizer(tiny).encode("ab") == [5]
     assert "does not load" in caplog.text and conversions == [tiny, tiny, tiny]
     assert load_tokenizer(tiny).encode("ab") == [5] and len(conversions) == 3
+
+
+def test_a_cache_that_cannot_be_written_still_loads_the_tokenizer(tmp_path, monkeypatch):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")  # the cache's parent is a file: every write to it fails
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    tiny = tmp_path / "tiny.gguf"
+    _tiny_gguf(tiny)
+    assert load_tokenizer(tiny).encode("ab") == [0, 5]
+    assert load_tokenizer(tiny).encode("ab") == [0, 5]
