@@ -157,8 +157,9 @@ static float row_stats(const float *x, int64_t V, float *largest, int64_t *at) {
                 if (hit) *at = i + __builtin_ctz(hit);
             }
             vs = _mm512_add_ps(vs, exp16(_mm512_max_ps(_mm512_sub_ps(v, vmax), floor)));
+            lanes_into_sum(i, &vs, &sum);
         }
-        sum = (double)_mm512_reduce_add_ps(vs);
+        sum += (double)_mm512_reduce_add_ps(vs);
         searched = i;
 #endif
         for (; i < V; i++) sum += expf(x[i] - m);

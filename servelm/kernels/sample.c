@@ -66,8 +66,9 @@ static double weights(const float *x, int64_t n, float m, float scale, float *w)
         const __m512 e = exp16(_mm512_max_ps(z, floor)); /* exp16(-inf) is NaN; e^-200 is 0 in float32 */
         if (w) _mm512_storeu_ps(w + i, e);
         vs = _mm512_add_ps(vs, e);
+        lanes_into_sum(i, &vs, &sum);
     }
-    sum = (double)_mm512_reduce_add_ps(vs);
+    sum += (double)_mm512_reduce_add_ps(vs);
 #endif
     for (; i < n; i++) {
         const float z = (x[i] - m) * scale, e = z > -200.f ? expf(z) : 0.f;
@@ -94,8 +95,9 @@ static double kept_sum(const float *x, const float *w, int64_t n, struct kept ke
         const __mmask16 k = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), xf, _CMP_GE_OQ) &
                             _mm512_cmp_ps_mask(wv, wf, _CMP_GE_OQ);
         vs = _mm512_mask_add_ps(vs, k, vs, wv);
+        lanes_into_sum(i, &vs, &sum);
     }
-    sum = (double)_mm512_reduce_add_ps(vs);
+    sum += (double)_mm512_reduce_add_ps(vs);
 #endif
     for (; i < n; i++)
         if (x[i] >= keep.x_floor && w[i] >= keep.w_floor) sum += w[i];
