@@ -21,12 +21,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from servelm.platform.cache import cache_dir
+from servelm.platform.cache import cache_dir, prune
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +40,6 @@ _CXX_FLAGS = ["-O2", "-std=c++20", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(torc
 # constructor switches the whole process to flush-to-zero.
 _LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 _TORCH_LIBS = ["-lc10", "-ltorch_cpu", "-ltorch"]
-
-# Builds of other sources (older servelm versions) unused for this long are deleted after a new build.
-STALE_SECONDS = 30 * 24 * 3600
 
 
 class BuildError(RuntimeError):
@@ -104,7 +100,7 @@ def build(c: str, cxx: str) -> Path:
         _run_all([[*link, f"-Wl,-rpath,{lib_dir}"]])
         os.replace(lib, target)  # atomic: a concurrent process sees no half-written file
     logger.info("compiled servelm's CPU kernels into %s", target)
-    _prune(target)
+    prune(target, "servelm_kernels-*.so")
     return target
 
 
@@ -127,19 +123,6 @@ def _run_all(commands: list[list[str]]) -> None:
                 with contextlib.suppress(ProcessLookupError):  # it may end between the poll and the kill
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
-
-
-def _prune(keep: Path) -> None:
-    """Delete the cache's other builds not opened for ``STALE_SECONDS`` (a checkout still using one
-    rebuilds it; a process that has one loaded keeps its mapping)."""
-    cutoff = time.time() - STALE_SECONDS
-    for old in keep.parent.glob("servelm_kernels-*.so"):
-        try:
-            stat = old.stat()
-            if old != keep and max(stat.st_atime, stat.st_mtime) < cutoff:
-                old.unlink()
-        except OSError:
-            pass  # gone already, or not ours to delete
 
 
 def load(path: Path) -> None:

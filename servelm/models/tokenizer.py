@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -16,7 +17,7 @@ from servelm.engine.detokenizer import TextDecoder
 from servelm.engine.tool_parsers import AUTO, get_format, resolve_format
 from servelm.models.token_bytes import TokenBytes
 from servelm.models.tool_prompt import template_reads_tools, tool_messages
-from servelm.platform.cache import cache_dir
+from servelm.platform.cache import cache_dir, prune
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,10 @@ def _gguf_tokenizer(path: Path) -> Any:
     cached = cache_dir("tokenizers") / hashlib.sha256(key.encode()).hexdigest()[:16]
     if cached.is_dir():
         try:
-            return PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
+            hf = PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
+            with contextlib.suppress(OSError):
+                os.utime(cached)  # used now: `prune` keeps it (reading a folder's files leaves its times)
+            return hf
         except Exception as exc:  # a damaged entry: convert again below and replace it
             logger.warning(
                 "the cached tokenizer of %s in %s does not load (%s): converting it again", path, cached, exc
@@ -182,6 +186,7 @@ def _keep(hf: Any, cached: Path) -> None:
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    prune(cached, "*")  # entries of files, times or library versions unused for a month
 
 
 def _convert_gguf_tokenizer(path: Path) -> Any:

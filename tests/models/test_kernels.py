@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from servelm import kernels
-from servelm.kernels import build
 from servelm.kernels.self_check import self_check
 from servelm.layers.norm import RMSNorm
 from servelm.layers.rotary import Rope, apply_rope
+from servelm.platform.cache import STALE_SECONDS
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None or shutil.which("c++") is None, reason="no C and C++ compilers on this machine"
@@ -51,7 +51,7 @@ def test_built_once_then_reused_from_the_cache_and_a_new_build_deletes_builds_un
     stale, recent = fresh / "servelm_kernels-0000000000000000.so", fresh / "servelm_kernels-1111111111111111.so"
     for path in (stale, recent):
         path.write_bytes(b"an older servelm's build")
-    month_ago = time.time() - build.STALE_SECONDS - 60
+    month_ago = time.time() - STALE_SECONDS - 60
     os.utime(stale, (month_ago, month_ago))
     assert kernels.cpu_kernels() is not None
     (built,) = set(fresh.glob("servelm_kernels-*.so")) - {recent}

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 
 from servelm.models.tokenizer import Tokenizer, load_tokenizer
+from servelm.platform.cache import STALE_SECONDS
 
 TEXTS = [
     "Hello, world!",
@@ -167,6 +169,30 @@ def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache_alike(model
         assert load_tokenizer(tiny).encode("ab") == [5]
     assert "does not load" in caplog.text and conversions == [tiny, tiny, tiny]
     assert load_tokenizer(tiny).encode("ab") == [5] and len(conversions) == 3
+
+
+def test_a_new_cache_entry_deletes_the_entries_unused_for_a_month(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "servelm" / "tokenizers"
+    tiny = tmp_path / "tiny.gguf"
+    _tiny_gguf(tiny)
+    load_tokenizer(tiny)
+    (used,) = folder.iterdir()
+    stale, recent, left_staging = folder / "0123456789abcdef", folder / "fedcba9876543210", folder / ".tmp-dead"
+    for entry in (stale, recent, left_staging):
+        entry.mkdir()
+        (entry / "tokenizer.json").write_text("{}")
+    month_ago = time.time() - STALE_SECONDS - 60
+    for entry in (used, stale, left_staging):
+        os.utime(entry, (month_ago, month_ago))
+    assert load_tokenizer(tiny).encode("ab") == [0, 5]  # read from the cache: marks the entry used
+    assert used.stat().st_mtime > month_ago + 60
+    other = tmp_path / "other.gguf"
+    _tiny_gguf(other, add_bos=False)
+    assert load_tokenizer(other).encode("ab") == [5]  # a new entry: the stale ones go
+    left = set(folder.iterdir())
+    assert {used, recent} < left and len(left) == 3  # the used, the recent and the new entry
+    assert not stale.exists() and not left_staging.exists()
 
 
 def test_a_cache_that_cannot_be_written_still_loads_the_tokenizer(tmp_path, monkeypatch):
